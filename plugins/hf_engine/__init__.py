@@ -1,0 +1,11 @@
+"""The `hf` rollout engine: transformers `generate` on the training module itself."""
+
+from rlver import hookimpl
+from rlver_plugins.hf_engine.engine import HFEngine
+
+__all__ = ["HFEngine"]
+
+
+@hookimpl
+def rlver_register_engines(register):
+    register("hf", HFEngine)

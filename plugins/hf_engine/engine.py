@@ -1,0 +1,125 @@
+"""Batched generation with transformers: left padding, KV cache, exact log-probs.
+
+The engine samples from the very module being trained, so there is no weight
+sync. Log-probs are recorded during generation by a logits processor that sits
+before HF's temperature/top-p warpers: at step t it stores
+log_softmax(logits / T) and, one step later, reads off the log-prob of the
+token that was actually sampled. Memory stays O(batch x vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
+from rlver.models import Policy
+
+
+class _SampledLogprobRecorder(LogitsProcessor):
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self._pending: torch.Tensor | None = None  # log-probs of the step whose token is not yet known
+        self.steps: list[torch.Tensor] = []  # (batch,) log-prob of each sampled token
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take_sampled(input_ids[:, -1])
+        logits = scores.float()
+        if self.temperature > 0:
+            logits = logits / self.temperature
+        self._pending = torch.log_softmax(logits, dim=-1)
+        return scores
+
+    def _take_sampled(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self.steps.append(self._pending.gather(1, tokens[:, None]).squeeze(1))
+            self._pending = None
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, new_tokens) log-probs, once generation has returned."""
+        self._take_sampled(last_tokens)
+        return torch.stack(self.steps, dim=1)
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with transformers `generate` on the policy module itself.
+
+    Args:
+        batch_size: Most prompts in one `generate` call; larger batches are split.
+        sort_by_length: Group prompts of similar length into the same call to save padding.
+    """
+
+    def __init__(self, policy: Policy, batch_size: int = 16, sort_by_length: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size ({batch_size}) must be >= 1")
+        self.policy = policy
+        self.batch_size = batch_size
+        self.sort_by_length = sort_by_length
+        self.stop_ids = policy.stop_token_ids
+        pad = policy.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.stop_ids[0]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        order = list(range(len(prompts)))
+        if self.sort_by_length:
+            order.sort(key=lambda i: len(prompts[i]))
+        results: list[Generation | None] = [None] * len(prompts)
+        for chunk_index, start in enumerate(range(0, len(order), self.batch_size)):
+            chunk = order[start : start + self.batch_size]
+            # Each chunk gets its own seed so results do not depend on how many chunks ran before.
+            chunk_seed = sampling.seed * 1_000_003 + chunk_index
+            for index, generation in zip(chunk, self._generate_chunk([prompts[i] for i in chunk], sampling, chunk_seed)):
+                results[index] = generation
+        return [r for r in results if r is not None]
+
+    @torch.no_grad()
+    def _generate_chunk(self, prompts: list[Sequence[int]], sampling: SamplingSettings, seed: int) -> list[Generation]:
+        model = self.policy.model
+        device = self.policy.device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+        greedy = sampling.temperature == 0
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            use_cache=True,
+        )
+        recorder = _SampledLogprobRecorder(sampling.temperature)
+        was_training = model.training
+        model.eval()
+        devices = [device.index or 0] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                output = model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([recorder]),
+                )
+        finally:
+            model.train(was_training)
+        new_tokens = output[:, width:].cpu()
+        logprobs = recorder.finish(output[:, -1]).cpu()
+        return [self._trim(new_tokens[row], logprobs[row]) for row in range(len(prompts))]
+
+    def _trim(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> Generation:
+        ids = tokens.tolist()
+        for position, token in enumerate(ids):
+            if token in self.stop_ids:
+                end = position + 1
+                return Generation(tuple(ids[:end]), tuple(logprobs[:end].tolist()), "stop")
+        return Generation(tuple(ids), tuple(logprobs.tolist()), "length")

@@ -1,0 +1,201 @@
+"""The `rlver` command.
+
+`rlver plugins` and `rlver rollout` are rlver's own subcommands; `fit`,
+`validate` and `test` belong to LightningCLI and arrive with the trainer.
+Plugins are loaded before any parser is built, so their component names and
+options are known when a config is read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+
+from rlver import __version__
+from rlver.data.datamodule import ProfileDataModule
+from rlver.models import ModelError
+from rlver.plugins import PluginError, Registry, get_registry
+from rlver.rollout import RolloutRunner, RolloutSettings, summarize
+from rlver.transcripts import TranscriptWriter
+
+ComponentSpec = str | dict[str, Any]
+
+# Sections of a training config that `rlver rollout` reads past without using.
+_TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything")
+
+
+def add_component_arguments(parser: ArgumentParser, prefix: str = "model") -> None:
+    """The options shared by every command that runs dialogues (under `model.`)."""
+    parser.add_argument(f"--{prefix}.policy", type=str, default="smollm2-135m-instruct",
+                        help="Policy model: smollm2-135m-instruct (embedded), a local HF folder, or a hub id.")
+    parser.add_argument(f"--{prefix}.dtype", type=str, default="float32", help="float32, bfloat16 or float16.")
+    parser.add_argument(f"--{prefix}.engine", type=ComponentSpec, default="hf",
+                        help='Rollout engine: a name or {"name": ..., <options>}.')
+    parser.add_argument(f"--{prefix}.simulator", type=ComponentSpec, default="embedded",
+                        help='User simulator: a name or {"name": ..., <options>}.')
+    parser.add_argument(f"--{prefix}.prompt_format", type=ComponentSpec, default="nothink",
+                        help='Prompt format: a name (think, nothink) or {"name": ..., <options>}.')
+    parser.add_dataclass_arguments(RolloutSettings, f"{prefix}.rollout", default=RolloutSettings())
+
+
+def build_runner(model_cfg: Namespace, registry: Registry, device: str) -> RolloutRunner:
+    from rlver.models import load_policy
+
+    policy = load_policy(model_cfg.policy, dtype=model_cfg.dtype, device=device)
+    simulator = registry.build("simulators", _plain(model_cfg.simulator), flag="--model.simulator")
+    prompt_format = registry.build("formats", _plain(model_cfg.prompt_format), flag="--model.prompt_format")
+    engine = registry.build("engines", _plain(model_cfg.engine), flag="--model.engine", policy=policy)
+    components = {
+        "model": model_cfg.policy,
+        "engine": _plain(model_cfg.engine),
+        "simulator": _plain(model_cfg.simulator),
+        "prompt_format": _plain(model_cfg.prompt_format),
+    }
+    settings = model_cfg.rollout
+    if not isinstance(settings, RolloutSettings):
+        settings = RolloutSettings(**dict(settings))
+    return RolloutRunner(policy, engine, simulator, prompt_format, settings, components=components)
+
+
+def _plain(value: Any) -> Any:
+    """jsonargparse hands nested dicts back as Namespaces; plugins get plain data."""
+    if isinstance(value, Namespace):
+        return {k: _plain(v) for k, v in value.as_dict().items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --------------------------------------------------------------------------- rlver plugins
+def plugins_command(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(prog="rlver plugins", description="List installed plugins as JSON.")
+    parser.parse_args(list(argv))
+    print(json.dumps(get_registry().describe(), indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- rlver rollout
+def rollout_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="rlver rollout",
+        description="Run dialogues between the policy and simulated users; write transcripts and print a summary.",
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="A recipe YAML (the same file `rlver fit` reads).")
+    parser.add_argument("--out", type=str, required=True, help="Transcript file to write (JSONL).")
+    parser.add_argument("--split", type=str, default="test", choices=["train", "val", "test"],
+                        help="Which profiles of the data section to talk to.")
+    parser.add_argument("--limit", type=int, default=0, help="Only the first N profiles (0: all).")
+    parser.add_argument("--repeat", type=int, default=1, help="Dialogues per profile (a group, as in GRPO).")
+    parser.add_argument("--device", type=str, default="auto", help="cpu, cuda, or auto.")
+    add_component_arguments(parser)
+    parser.add_class_arguments(ProfileDataModule, "data")
+    for section in _TRAINING_SECTIONS:
+        parser.add_argument(f"--{section}", type=Any, default=None, help="(read by `rlver fit`; ignored here)")
+    return parser
+
+
+def rollout_command(argv: Sequence[str]) -> int:
+    from tqdm import tqdm
+
+    parser = rollout_parser()
+    cfg = parser.parse_args(list(argv))
+    if cfg.limit < 0:
+        parser.error(f"--limit ({cfg.limit}) must be >= 0")
+    if cfg.repeat < 1:
+        parser.error(f"--repeat ({cfg.repeat}) must be >= 1")
+    registry = get_registry()
+    data = ProfileDataModule(**cfg.data.as_dict())
+    profiles = data.profiles(cfg.split)
+    if cfg.limit:
+        profiles = profiles[: cfg.limit]
+    runner = build_runner(cfg.model, registry, _resolve_device(cfg.device))
+    dialogues = [p for p in profiles for _ in range(cfg.repeat)]
+    batch_size = data.batch_size
+    trajectories = []
+    with TranscriptWriter(cfg.out) as writer, tqdm(total=len(dialogues), desc="dialogues", unit="dlg") as bar:
+        for start in range(0, len(dialogues), batch_size):
+            batch = dialogues[start : start + batch_size]
+            finished_before = bar.n
+
+            def progress(turn: int, active: int, size: int = len(batch), base: int = finished_before) -> None:
+                bar.n = base + size - active
+                bar.set_postfix(turn=turn)
+                bar.refresh()
+
+            results = runner.run(batch, seed=runner.settings.seed + start, on_turn=progress)
+            bar.n = finished_before + len(batch)
+            bar.refresh()
+            writer.write(results)
+            registry.call_observers("rlver_on_rollout_end", trajectories=results, step=None)
+            trajectories.extend(results)
+    print(format_summary(summarize(trajectories), cfg.out))
+    return 0
+
+
+def format_summary(summary: dict[str, float], out: str) -> str:
+    rows = [
+        ("dialogues", f"{summary['dialogues']:d}"),
+        ("mean final emotion", f"{summary.get('mean_final_emotion', 0.0):.1f}"),
+        ("success (100)", f"{summary.get('success', 0):d}"),
+        ("failure (<10)", f"{summary.get('failure', 0):d}"),
+        ("mean turns", f"{summary.get('mean_turns', 0.0):.2f}"),
+        ("format violations", f"{summary.get('format_violations', 0):d}"),
+        ("transcripts", out),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+# --------------------------------------------------------------------------- entry point
+COMMANDS = {"plugins": plugins_command, "rollout": rollout_command}
+TRAINER_COMMANDS = ("fit", "validate", "test")
+
+USAGE = f"""usage: rlver <command> [options]
+
+rlver {__version__}: RL for empathetic chat models with verifiable emotion rewards.
+
+commands:
+  plugins    list installed plugins and what they register (JSON)
+  rollout    run dialogues, write transcripts, print a summary
+  fit, validate, test
+             training and evaluation (LightningCLI; not in this release yet)
+
+`rlver <command> --help` shows a command's options."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if args[0] == "--version":
+        print(__version__)
+        return 0
+    command = args[0]
+    try:
+        if command in COMMANDS:
+            return COMMANDS[command](args[1:])
+        if command in TRAINER_COMMANDS:
+            print(f"rlver {command}: training and evaluation are not in this release yet", file=sys.stderr)
+            return 2
+    except (PluginError, ModelError, ValueError) as error:
+        print(f"rlver {command}: error: {error}", file=sys.stderr)
+        return 2
+    print(f"rlver: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Profiles: loading, validation and the LightningDataModule."""
+
+from rlver.data.profiles import ProfileError, load_profile_sets, load_profiles, resolve_profile_path
+
+__all__ = ["ProfileError", "load_profile_sets", "load_profiles", "resolve_profile_path"]

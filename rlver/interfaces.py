@@ -1,0 +1,151 @@
+"""The contracts plugins implement. Plugins register factories for these.
+
+A factory is any callable (usually the class itself) whose keyword arguments
+are the options a config may set; `rlver.plugins.build` checks them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlver.types import Profile, UserTurn
+
+if TYPE_CHECKING:
+    from rlver.rollout import Trajectory
+
+
+# --------------------------------------------------------------------------- simulators
+class UserSession(ABC):
+    """One simulated user in one dialogue. Owns all of that dialogue's user state."""
+
+    profile: Profile
+
+    @abstractmethod
+    def opening(self) -> UserTurn:
+        """The user's first message (the profile's `first_talk` when it has one)."""
+
+    @abstractmethod
+    def respond(self, reply: str) -> UserTurn:
+        """React to the policy's visible reply: move the emotion and answer."""
+
+    @property
+    @abstractmethod
+    def emotion(self) -> float:
+        """The current emotion score, 0-100."""
+
+
+class UserSimulator(ABC):
+    """Creates user sessions and answers a whole batch of them per turn.
+
+    The rollout loop only calls `open` and `respond_batch`; simulators backed
+    by a remote LLM override `respond_batch` to run the sessions concurrently.
+    """
+
+    @abstractmethod
+    def open(self, profile: Profile, *, seed: int) -> UserSession:
+        """Start a dialogue with `profile`; `seed` makes the session reproducible."""
+
+    def respond_batch(self, sessions: Sequence[UserSession], replies: Sequence[str]) -> list[UserTurn]:
+        return [session.respond(reply) for session, reply in zip(sessions, replies, strict=True)]
+
+
+# --------------------------------------------------------------------------- prompt formats
+@dataclass(frozen=True)
+class ParsedReply:
+    """A policy completion split into what the user sees and the private reasoning.
+
+    `format_ok` is False when the format's rules were broken (for the thinking
+    format: missing, unclosed or nested tags); `format_error` says how.
+    """
+
+    visible: str
+    thinking: str | None = None
+    format_ok: bool = True
+    format_error: str | None = None
+
+
+class PromptFormat(ABC):
+    """How the policy is asked to answer and how its raw text is parsed."""
+
+    @abstractmethod
+    def system_prompt(self, profile: Profile) -> str:
+        """The system message for a dialogue with `profile`."""
+
+    @abstractmethod
+    def parse(self, completion: str) -> ParsedReply:
+        """Split a completion into visible reply and thinking."""
+
+
+# --------------------------------------------------------------------------- rollout engines
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-call sampling controls, identical across engines.
+
+    temperature 0 means greedy decoding. Log-probabilities are always those of
+    the sampled token under softmax(logits / temperature) (raw logits when
+    greedy), without top-p renormalisation, i.e. what the trainer recomputes.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature ({self.temperature}) must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p ({self.top_p}) must be within (0, 1]")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What an engine sampled for one prompt: exact ids and their log-probs.
+
+    finish_reason: "stop" (an end-of-turn token was sampled, and is the last
+    id) or "length" (the per-turn token limit was hit).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+class RolloutEngine(ABC):
+    """Generates completions for a batch of token-id prompts."""
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        """One completion per prompt; deterministic for the same inputs and seed."""
+
+    def sync_weights(self) -> None:
+        """Make the engine sample from the policy's current weights.
+
+        Engines that share the training module (hf) have nothing to do.
+        """
+
+
+# --------------------------------------------------------------------------- rewards and advantages
+class RewardFunction(ABC):
+    """Scores finished dialogues: one float per trajectory."""
+
+    @abstractmethod
+    def __call__(self, trajectories: Sequence[Trajectory]) -> list[float]: ...
+
+
+class AdvantageEstimator(ABC):
+    """Turns rewards (and values, for critics) into per-token advantages.
+
+    The exact tensor contract arrives with the trainer; `requires_critic`
+    tells the trainer whether to build a value model.
+    """
+
+    requires_critic: bool = False
+
+    @abstractmethod
+    def __call__(self, **batch: Any) -> Any: ...

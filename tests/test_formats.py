@@ -1,0 +1,58 @@
+import pytest
+
+from rlver.types import Profile
+from rlver_plugins.formats import NoThinkFormat, ThinkFormat
+
+PROFILE_EN = Profile("p", "player", "scene", "passive", ("a", "b", "c"), "You want deep empathy.")
+PROFILE_ZH = Profile("q", "玩家", "场景", "被动型", ("内向",), "你希望对方深刻共情你的感受")
+
+
+def test_think_well_formed():
+    parsed = ThinkFormat().parse("<think>She is hurt; listen first.</think>\nThat sounds exhausting.")
+    assert parsed.visible == "That sounds exhausting."
+    assert parsed.thinking == "She is hurt; listen first."
+    assert parsed.format_ok and parsed.format_error is None
+
+
+@pytest.mark.parametrize(
+    ("completion", "visible", "error"),
+    [
+        ("Just a reply.", "Just a reply.", "missing <think>...</think>"),
+        ("<think>planning forever", "planning forever", "unclosed <think>"),
+        ("<think></think>Hello", "Hello", "empty thinking"),
+        ("<think>plan</think>   ", "", "empty reply after </think>"),
+        ("Hi <think>plan</think> there", "there", "text before <think>"),
+        ("plan</think> reply", "reply", "missing <think>"),
+        ("<think>a</think>x<think>b</think> final", "final", "more than one think block"),
+    ],
+)
+def test_think_malformed_is_flagged(completion, visible, error):
+    parsed = ThinkFormat().parse(completion)
+    assert parsed.visible == visible
+    assert not parsed.format_ok
+    assert parsed.format_error == error
+
+
+def test_only_text_after_the_last_close_tag_is_visible():
+    parsed = ThinkFormat().parse("<think>a</think>b</think>c")
+    assert parsed.visible == "c"
+    assert not parsed.format_ok
+
+
+def test_nothink_passes_the_reply_through():
+    parsed = NoThinkFormat().parse("  I hear you. <think>not special here</think> ")
+    assert parsed.visible == "I hear you. <think>not special here</think>"
+    assert parsed.thinking is None and parsed.format_ok
+
+
+def test_system_prompts_by_language():
+    assert NoThinkFormat().system_prompt(PROFILE_EN).startswith("You are an intelligent chat partner")
+    assert "高情商" in NoThinkFormat().system_prompt(PROFILE_ZH)
+    assert "<think>" in ThinkFormat(language="en").system_prompt(PROFILE_ZH)
+    assert "<think>" in ThinkFormat().system_prompt(PROFILE_ZH) and "思考" in ThinkFormat().system_prompt(PROFILE_ZH)
+    assert ThinkFormat(system_prompt="Be brief.").system_prompt(PROFILE_EN) == "Be brief."
+
+
+def test_unknown_language_is_rejected():
+    with pytest.raises(ValueError, match="language \\('fr'\\) must be one of en, zh, auto"):
+        NoThinkFormat(language="fr")
