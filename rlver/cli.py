@@ -43,11 +43,19 @@ def add_component_arguments(parser: ArgumentParser, prefix: str = "model") -> No
 
 
 def build_runner(model_cfg: Namespace, registry: Registry, device: str) -> RolloutRunner:
+    """Build every component, the cheap ones first so a config error surfaces before the model loads."""
     from rlver.models import load_policy
 
-    policy = load_policy(model_cfg.policy, dtype=model_cfg.dtype, device=device)
     simulator = registry.build("simulators", _plain(model_cfg.simulator), flag="--model.simulator")
     prompt_format = registry.build("formats", _plain(model_cfg.prompt_format), flag="--model.prompt_format")
+    registry.check("engines", _plain(model_cfg.engine), flag="--model.engine", context={"policy"})
+    settings = model_cfg.rollout
+    if not isinstance(settings, RolloutSettings):
+        try:
+            settings = RolloutSettings(**_plain(settings))
+        except ValueError as error:
+            raise ValueError(f"--model.rollout: {error}") from None
+    policy = load_policy(model_cfg.policy, dtype=model_cfg.dtype, device=device)
     engine = registry.build("engines", _plain(model_cfg.engine), flag="--model.engine", policy=policy)
     components = {
         "model": model_cfg.policy,
@@ -55,9 +63,6 @@ def build_runner(model_cfg: Namespace, registry: Registry, device: str) -> Rollo
         "simulator": _plain(model_cfg.simulator),
         "prompt_format": _plain(model_cfg.prompt_format),
     }
-    settings = model_cfg.rollout
-    if not isinstance(settings, RolloutSettings):
-        settings = RolloutSettings(**dict(settings))
     return RolloutRunner(policy, engine, simulator, prompt_format, settings, components=components)
 
 

@@ -46,11 +46,14 @@ def resolve_model_path(name: str) -> str:
     if name == EMBEDDED_MODEL:
         return str(embedded_model_folder())
     path = Path(name).expanduser()
-    if path.exists():
+    looks_local = name.startswith(("/", "./", "../", "~")) or path.exists()
+    if looks_local:
+        if not path.is_dir():
+            raise ModelError(f"--model.policy: model folder {path} not found")
         if not (path / "config.json").is_file():
-            raise ModelError(f"{path}: not a Hugging Face model folder (no config.json)")
+            raise ModelError(f"--model.policy: {path} is not a Hugging Face model folder (no config.json)")
         return str(path)
-    return name
+    return name  # a hub id
 
 
 def embedded_model_folder() -> Path:
@@ -157,8 +160,11 @@ def load_policy(name: str, dtype: str = "float32", device: str = "cpu") -> Polic
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
-        raise ModelError(f"dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
+        raise ModelError(f"--model.dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
     path = resolve_model_path(name)
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
+    try:
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
+    except (OSError, ValueError) as error:
+        raise ModelError(f"--model.policy: cannot load {name!r}: {error}") from error
     return Policy(model=model, tokenizer=tokenizer, path=path, name=name)

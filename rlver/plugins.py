@@ -132,13 +132,20 @@ class Registry:
         `flag` is the config key the spec came from, used in error messages.
         `context` holds arguments the framework passes itself (e.g. `policy=`).
         """
+        registration, options = self.check(kind, spec, flag=flag, context=set(context))
+        return registration.factory(**context, **options)
+
+    def check(
+        self, kind: str, spec: str | Mapping[str, Any], *, flag: str, context: set[str] | None = None
+    ) -> tuple[Registration, dict[str, Any]]:
+        """Resolve a spec's name and check its options without building anything."""
         name, options = split_spec(spec, flag=flag)
         try:
             registration = self.get(kind, name)
         except PluginError as error:
             raise PluginError(f"{flag}: {error}") from None
-        check_options(registration.factory, options, flag=flag, reserved=set(context))
-        return registration.factory(**context, **options)
+        check_options(registration.factory, options, flag=flag, reserved=context or set())
+        return registration, options
 
     def call_observers(self, hook_name: str, **kwargs: Any) -> None:
         getattr(self.pm.hook, hook_name)(**kwargs)
