@@ -1,0 +1,1 @@
+"""The RL maths as pure tensor functions: advantages, losses, KL estimators."""
