@@ -1,9 +1,9 @@
 """The `rlver` command.
 
-`rlver plugins` and `rlver rollout` are rlver's own subcommands; `fit`,
-`validate` and `test` belong to LightningCLI and arrive with the trainer.
-Plugins are loaded before any parser is built, so their component names and
-options are known when a config is read.
+`fit`, `validate` and `test` are LightningCLI subcommands over RLVERModule and
+ProfileDataModule; `plugins`, `rollout` and `export` are rlver's own. Plugins
+are loaded before any parser is built, so their component names and options
+are known when a config is read.
 """
 
 from __future__ import annotations
@@ -30,15 +30,33 @@ _TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed
 
 def add_component_arguments(parser: ArgumentParser, prefix: str = "model") -> None:
     """The options shared by every command that runs dialogues (under `model.`)."""
-    parser.add_argument(f"--{prefix}.policy", type=str, default="smollm2-135m-instruct",
-                        help="Policy model: smollm2-135m-instruct (embedded), a local HF folder, or a hub id.")
-    parser.add_argument(f"--{prefix}.dtype", type=str, default="float32", help="float32, bfloat16 or float16.")
-    parser.add_argument(f"--{prefix}.engine", type=ComponentSpec, default="hf",
-                        help='Rollout engine: a name or {"name": ..., <options>}.')
-    parser.add_argument(f"--{prefix}.simulator", type=ComponentSpec, default="embedded",
-                        help='User simulator: a name or {"name": ..., <options>}.')
-    parser.add_argument(f"--{prefix}.prompt_format", type=ComponentSpec, default="nothink",
-                        help='Prompt format: a name (think, nothink) or {"name": ..., <options>}.')
+    parser.add_argument(
+        f"--{prefix}.policy",
+        type=str,
+        default="smollm2-135m-instruct",
+        help="Policy model: smollm2-135m-instruct (embedded), a local HF folder, or a hub id.",
+    )
+    parser.add_argument(
+        f"--{prefix}.dtype", type=str, default="float32", help="float32, bfloat16 or float16."
+    )
+    parser.add_argument(
+        f"--{prefix}.engine",
+        type=ComponentSpec,
+        default="hf",
+        help='Rollout engine: a name or {"name": ..., <options>}.',
+    )
+    parser.add_argument(
+        f"--{prefix}.simulator",
+        type=ComponentSpec,
+        default="embedded",
+        help='User simulator: a name or {"name": ..., <options>}.',
+    )
+    parser.add_argument(
+        f"--{prefix}.prompt_format",
+        type=ComponentSpec,
+        default="nothink",
+        help='Prompt format: a name (think, nothink) or {"name": ..., <options>}.',
+    )
     parser.add_dataclass_arguments(RolloutSettings, f"{prefix}.rollout", default=RolloutSettings())
 
 
@@ -95,19 +113,28 @@ def plugins_command(argv: Sequence[str]) -> int:
 def rollout_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="rlver rollout",
-        description="Run dialogues between the policy and simulated users; write transcripts and print a summary.",
+        description="Run dialogues with simulated users, write transcripts, print a summary.",
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="A recipe YAML (the same file `rlver fit` reads).")
+    parser.add_argument(
+        "--config", action=ActionConfigFile, help="A recipe YAML (the same file `rlver fit` reads)."
+    )
     parser.add_argument("--out", type=str, required=True, help="Transcript file to write (JSONL).")
-    parser.add_argument("--split", type=str, default="test", choices=["train", "val", "test"],
-                        help="Which profiles of the data section to talk to.")
+    parser.add_argument(
+        "--split",
+        type=str,
+        default="test",
+        choices=["train", "val", "test"],
+        help="Which profiles of the data section to talk to.",
+    )
     parser.add_argument("--limit", type=int, default=0, help="Only the first N profiles (0: all).")
     parser.add_argument("--repeat", type=int, default=1, help="Dialogues per profile (a group, as in GRPO).")
     parser.add_argument("--device", type=str, default="auto", help="cpu, cuda, or auto.")
     add_component_arguments(parser)
     parser.add_class_arguments(ProfileDataModule, "data")
     for section in _TRAINING_SECTIONS:
-        parser.add_argument(f"--{section}", type=Any, default=None, help="(read by `rlver fit`; ignored here)")
+        parser.add_argument(
+            f"--{section}", type=Any, default=None, help="(read by `rlver fit`; ignored here)"
+        )
     return parser
 
 
@@ -163,8 +190,46 @@ def format_summary(summary: dict[str, float], out: str) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+# --------------------------------------------------------------------------- rlver export
+def export_command(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(
+        prog="rlver export", description="Write a checkpoint's policy as a HF model folder."
+    )
+    parser.add_argument("--ckpt", type=str, required=True, help="A checkpoint written by `rlver fit`.")
+    parser.add_argument("--out", type=str, required=True, help="Folder to write (model + tokenizer).")
+    cfg = parser.parse_args(list(argv))
+    from rlver.export import export_checkpoint
+
+    out = export_checkpoint(cfg.ckpt, cfg.out)
+    print(f"exported {cfg.ckpt} -> {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- fit / validate / test
+def lightning_command(argv: Sequence[str]) -> int:
+    from lightning.pytorch.cli import LightningCLI
+
+    from rlver.module import RLVERModule
+
+    get_registry()  # plugins first: their names and options must be known to the parser
+
+    class RLVERCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser: Any) -> None:
+            parser.set_defaults({"trainer.num_sanity_val_steps": 0, "trainer.max_steps": 1000})
+
+    RLVERCLI(
+        RLVERModule,
+        ProfileDataModule,
+        # From the console script argv *is* sys.argv[1:]; passing it again only makes Lightning warn.
+        args=None if list(argv) == sys.argv[1:] else list(argv),
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "rlver"},
+    )
+    return 0
+
+
 # --------------------------------------------------------------------------- entry point
-COMMANDS = {"plugins": plugins_command, "rollout": rollout_command}
+COMMANDS = {"plugins": plugins_command, "rollout": rollout_command, "export": export_command}
 TRAINER_COMMANDS = ("fit", "validate", "test")
 
 USAGE = f"""usage: rlver <command> [options]
@@ -172,10 +237,12 @@ USAGE = f"""usage: rlver <command> [options]
 rlver {__version__}: RL for empathetic chat models with verifiable emotion rewards.
 
 commands:
-  plugins    list installed plugins and what they register (JSON)
+  fit        train (PPO or GRPO) with a recipe: rlver fit --config recipes/quickstart.yaml
+  validate   run validation dialogues with a model or checkpoint
+  test       run test dialogues with a model or checkpoint
   rollout    run dialogues, write transcripts, print a summary
-  fit, validate, test
-             training and evaluation (LightningCLI; not in this release yet)
+  export     write a checkpoint's policy as a Hugging Face folder
+  plugins    list installed plugins and what they register (JSON)
 
 `rlver <command> --help` shows a command's options."""
 
@@ -193,8 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command in COMMANDS:
             return COMMANDS[command](args[1:])
         if command in TRAINER_COMMANDS:
-            print(f"rlver {command}: training and evaluation are not in this release yet", file=sys.stderr)
-            return 2
+            return lightning_command(args)
     except (PluginError, ModelError, ValueError) as error:
         print(f"rlver {command}: error: {error}", file=sys.stderr)
         return 2

@@ -15,7 +15,13 @@ EMOTION_MIN = 0.0
 EMOTION_MAX = 100.0
 
 # (label, lower bound), highest first.
-BANDS: tuple[tuple[str, float], ...] = (("S", 100.0), ("A", 70.0), ("B", 40.0), ("C", 10.0), ("F", float("-inf")))
+BANDS: tuple[tuple[str, float], ...] = (
+    ("S", 100.0),
+    ("A", 70.0),
+    ("B", 40.0),
+    ("C", 10.0),
+    ("F", float("-inf")),
+)
 
 
 def band(emotion: float) -> str:
@@ -95,7 +101,7 @@ def apply_change(emotion: float, raw_change: float, difficulty: Difficulty) -> t
 
 
 def termination(emotion: float, difficulty: Difficulty) -> str | None:
-    """"success", "failure" or None (the dialogue goes on)."""
+    """ "success", "failure" or None (the dialogue goes on)."""
     if emotion >= difficulty.success_at:
         return "success"
     if emotion < difficulty.failure_below:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlver.types import Profile, UserTurn
@@ -123,7 +123,7 @@ class RolloutEngine(ABC):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         """One completion per prompt; deterministic for the same inputs and seed."""
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Make the engine sample from the policy's current weights.
 
         Engines that share the training module (hf) have nothing to do.
@@ -138,14 +138,39 @@ class RewardFunction(ABC):
     def __call__(self, trajectories: Sequence[Trajectory]) -> list[float]: ...
 
 
+@dataclass
+class AdvantageBatch:
+    """What an advantage estimator sees, on per-dialogue timelines (see rlver.batch).
+
+    token_rewards: (D, T) rewards per policy token: the dialogue's reward on its
+        last token, minus the KL penalty on every token when KL is in the reward.
+    values: (D, T) critic values, or None when no critic is trained.
+    mask: (D, T) 1 on real timeline positions.
+    group_ids: (D,) dialogues sharing a profile and opening share an id.
+    """
+
+    token_rewards: Any
+    values: Any
+    mask: Any
+    group_ids: Any
+
+
+@dataclass
+class AdvantageResult:
+    """advantages: (D, T); returns: (D, T) value targets, or None without a critic."""
+
+    advantages: Any
+    returns: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class AdvantageEstimator(ABC):
     """Turns rewards (and values, for critics) into per-token advantages.
 
-    The exact tensor contract arrives with the trainer; `requires_critic`
-    tells the trainer whether to build a value model.
+    `requires_critic` tells the trainer whether to build and train a value model.
     """
 
     requires_critic: bool = False
 
     @abstractmethod
-    def __call__(self, **batch: Any) -> Any: ...
+    def __call__(self, batch: AdvantageBatch) -> AdvantageResult: ...

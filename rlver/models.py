@@ -98,7 +98,10 @@ def _convert_gguf(target: Path) -> None:
     log.warning("converting the embedded SmolLM2 GGUF into %s (once, about 20 s)", target)
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(
-        package_dir, gguf_file=_GGUF_FILE, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+        package_dir,
+        gguf_file=_GGUF_FILE,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
     )
     # Dense weights now: drop any trace of the GGUF quantisation so the folder loads plainly.
     for attribute in ("quantization_config", "_pre_quantization_dtype"):
@@ -134,7 +137,10 @@ class Policy:
     def stop_token_ids(self) -> list[int]:
         """Ids that end a turn: the EOS id(s) of the tokenizer and generation config."""
         ids: set[int] = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+        for source in (
+            self.tokenizer.eos_token_id,
+            getattr(self.model.generation_config, "eos_token_id", None),
+        ):
             if isinstance(source, int):
                 ids.add(source)
             elif isinstance(source, list | tuple):

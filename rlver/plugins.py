@@ -91,7 +91,9 @@ class Registry:
         except pluggy.PluginValidationError as error:
             self.pm.unregister(name=name)
             raise PluginError(f"plugin {name!r}: {error}") from error
-        info = PluginInfo(name=name, module=getattr(plugin, "__name__", type(plugin).__name__), version=version)
+        info = PluginInfo(
+            name=name, module=getattr(plugin, "__name__", type(plugin).__name__), version=version
+        )
         self.plugins[name] = info
         for kind, hook_name in REGISTRATION_HOOKS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
@@ -176,7 +178,9 @@ def split_spec(spec: str | Mapping[str, Any], *, flag: str) -> tuple[str, dict[s
     raise PluginError(f"{flag}: expected a name or a mapping with 'name', got {type(spec).__name__}")
 
 
-def check_options(factory: Callable[..., Any], options: Mapping[str, Any], *, flag: str, reserved: set[str]) -> None:
+def check_options(
+    factory: Callable[..., Any], options: Mapping[str, Any], *, flag: str, reserved: set[str]
+) -> None:
     """Reject options the factory does not accept, naming the flag and the accepted ones."""
     try:
         signature = inspect.signature(factory)
@@ -185,7 +189,9 @@ def check_options(factory: Callable[..., Any], options: Mapping[str, Any], *, fl
     params = signature.parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    accepted = [n for n, p in params.items() if n not in reserved and n != "self" and p.kind is not p.VAR_POSITIONAL]
+    accepted = [
+        n for n, p in params.items() if n not in reserved and n != "self" and p.kind is not p.VAR_POSITIONAL
+    ]
     for key in options:
         if key not in accepted:
             raise PluginError(f"{flag}.{key}: unknown option; accepted: {', '.join(accepted) or 'none'}")

@@ -18,11 +18,19 @@ rendered afresh and that turn starts a new sequence.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlver.interfaces import ParsedReply, PromptFormat, RolloutEngine, SamplingSettings, UserSession, UserSimulator
+from rlver.interfaces import (
+    ParsedReply,
+    PromptFormat,
+    RolloutEngine,
+    SamplingSettings,
+    UserSession,
+    UserSimulator,
+)
 from rlver.models import Policy
 from rlver.types import Profile, UserTurn
 
@@ -53,7 +61,8 @@ class RolloutSettings:
             raise ValueError(f"max_turns ({self.max_turns}) must be >= 1")
         if self.max_context_tokens <= self.max_new_tokens:
             raise ValueError(
-                f"max_context_tokens ({self.max_context_tokens}) must exceed max_new_tokens ({self.max_new_tokens})"
+                f"max_context_tokens ({self.max_context_tokens}) "
+                f"must exceed max_new_tokens ({self.max_new_tokens})"
             )
         SamplingSettings(self.max_new_tokens, self.temperature, self.top_p, self.seed)  # validates the rest
 
@@ -176,7 +185,9 @@ def pack_sequences(policy_turns: Sequence[PolicyTurn]) -> list[TokenSequence]:
             current.loss_mask.extend([0] * len(added))
             current.old_logprobs.extend([0.0] * len(added))
         else:
-            current = TokenSequence(list(turn.prompt_ids), [0] * len(turn.prompt_ids), [0.0] * len(turn.prompt_ids), [])
+            current = TokenSequence(
+                list(turn.prompt_ids), [0] * len(turn.prompt_ids), [0.0] * len(turn.prompt_ids), []
+            )
             sequences.append(current)
         start = len(current)
         current.input_ids.extend(turn.response_ids)
@@ -256,6 +267,7 @@ class RolloutRunner:
         self.settings = settings
         self.components = dict(components or {})
         self.context = ChatContext(policy.tokenizer, policy.stop_token_ids)
+        self.timings = {"generate": 0.0, "simulator": 0.0}  # seconds spent in the last run()
 
     def run(
         self,
@@ -269,16 +281,24 @@ class RolloutRunner:
         on_turn(turn, active) is called after every turn, for progress display.
         """
         base_seed = self.settings.seed if seed is None else seed
-        dialogues = [self._open(profile, dialogue_seed(base_seed, profile.id, i)) for i, profile in enumerate(profiles)]
+        self.timings = {"generate": 0.0, "simulator": 0.0}
+        dialogues = [
+            self._open(profile, dialogue_seed(base_seed, profile.id, i)) for i, profile in enumerate(profiles)
+        ]
         active = [d for d in dialogues if not d.trajectory.termination]
         for turn in range(self.settings.max_turns):
             active = [d for d in active if self._fits_context(d)]
             if not active:
                 break
             sampling = SamplingSettings(
-                self.settings.max_new_tokens, self.settings.temperature, self.settings.top_p, seed=base_seed + turn
+                self.settings.max_new_tokens,
+                self.settings.temperature,
+                self.settings.top_p,
+                seed=base_seed + turn,
             )
+            started = time.perf_counter()
             generations = self.engine.generate([d.prompt_ids for d in active], sampling)
+            self.timings["generate"] += time.perf_counter() - started
             policy_turns = []
             for dialogue, generation in zip(active, generations, strict=True):
                 completion = self.policy.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
@@ -292,9 +312,11 @@ class RolloutRunner:
                         parsed=self.prompt_format.parse(completion),
                     )
                 )
+            started = time.perf_counter()
             user_turns = self.simulator.respond_batch(
                 [d.session for d in active], [t.parsed.visible for t in policy_turns]
             )
+            self.timings["simulator"] += time.perf_counter() - started
             for dialogue, policy_turn, user_turn in zip(active, policy_turns, user_turns, strict=True):
                 self._advance(dialogue, policy_turn, user_turn, last_turn=turn == self.settings.max_turns - 1)
             active = [d for d in active if not d.trajectory.termination]
@@ -322,7 +344,9 @@ class RolloutRunner:
         dialogue.trajectory.termination = "context_limit"
         return False
 
-    def _advance(self, dialogue: _Dialogue, policy_turn: PolicyTurn, user_turn: UserTurn, *, last_turn: bool) -> None:
+    def _advance(
+        self, dialogue: _Dialogue, policy_turn: PolicyTurn, user_turn: UserTurn, *, last_turn: bool
+    ) -> None:
         trajectory = dialogue.trajectory
         trajectory.policy_turns.append(policy_turn)
         trajectory.user_turns.append(user_turn)
@@ -341,7 +365,9 @@ class RolloutRunner:
         next_text = self.context.render(dialogue.messages)
         extended = None
         if verbatim:
-            extended = self.context.extend(dialogue.prompt_ids, dialogue.prompt_text, policy_turn, next_text, content)
+            extended = self.context.extend(
+                dialogue.prompt_ids, dialogue.prompt_text, policy_turn, next_text, content
+            )
         dialogue.prompt_ids = extended if extended is not None else self.context.encode(next_text)
         dialogue.prompt_text = next_text
 

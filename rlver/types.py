@@ -52,7 +52,10 @@ _THEME_CUES: list[tuple[HiddenTheme, re.Pattern[str]]] = [
     (HiddenTheme.DIALECTICAL_ANALYSIS, re.compile(r"辩证|\bdialectic|\bseveral sides|\bboth sides")),
     (HiddenTheme.OTHERS_MOTIVES, re.compile(r"其他人|\bmotive|\bwhy (the other|they|he|she)")),
     (HiddenTheme.SELF_REFLECTION, re.compile(r"反思|\bself-reflect|\breflect")),
-    (HiddenTheme.NOT_AT_FAULT, re.compile(r"没有错|没有任何责任|\bnot at fault|\bnot to blame|\bdid nothing wrong")),
+    (
+        HiddenTheme.NOT_AT_FAULT,
+        re.compile(r"没有错|没有任何责任|\bnot at fault|\bnot to blame|\bdid nothing wrong"),
+    ),
     (HiddenTheme.SINCERE_PRAISE, re.compile(r"夸奖|赞美|\bprais")),
     (HiddenTheme.VENTING_LISTENING, re.compile(r"倾听|宣泄|\bvent(ing)?\b|\blistened to")),
     (HiddenTheme.DEEP_EMPATHY, re.compile(r"共情|\bempath")),
@@ -114,7 +117,7 @@ class Profile:
 
     @property
     def language(self) -> str:
-        """"zh" or "en": given by `extra["lang"]`, else guessed from the text."""
+        """ "zh" or "en": given by `extra["lang"]`, else guessed from the text."""
         lang = self.extra.get("lang")
         if lang:
             return str(lang)

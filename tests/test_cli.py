@@ -30,16 +30,32 @@ def test_rollout_help_lists_the_options():
 
 
 def test_unknown_simulator_is_one_clear_error(tmp_path):
-    result = run_cli("rollout", "--config", "recipes/quickstart.yaml", "--out", str(tmp_path / "t.jsonl"),
-                     "--model.simulator", "grumpy", "--model.policy", str(tmp_path / "missing-model"))
+    result = run_cli(
+        "rollout",
+        "--config",
+        "recipes/quickstart.yaml",
+        "--out",
+        str(tmp_path / "t.jsonl"),
+        "--model.simulator",
+        "grumpy",
+        "--model.policy",
+        str(tmp_path / "missing-model"),
+    )
     assert result.returncode == 2
     assert "--model.simulator: unknown simulator 'grumpy'; available: embedded" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_bad_rollout_setting_names_the_flag(tmp_path):
-    result = run_cli("rollout", "--config", "recipes/quickstart.yaml", "--out", str(tmp_path / "t.jsonl"),
-                     "--model.rollout.max_turns", "0")
+    result = run_cli(
+        "rollout",
+        "--config",
+        "recipes/quickstart.yaml",
+        "--out",
+        str(tmp_path / "t.jsonl"),
+        "--model.rollout.max_turns",
+        "0",
+    )
     assert result.returncode == 2
     assert "--model.rollout: max_turns (0) must be >= 1" in result.stderr
 
@@ -47,16 +63,30 @@ def test_bad_rollout_setting_names_the_flag(tmp_path):
 def test_bad_profile_file_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
-    result = run_cli("rollout", "--config", "recipes/quickstart.yaml", "--out", str(tmp_path / "t.jsonl"),
-                     "--data.test_files", json.dumps([str(bad)]))
+    result = run_cli(
+        "rollout",
+        "--config",
+        "recipes/quickstart.yaml",
+        "--out",
+        str(tmp_path / "t.jsonl"),
+        "--data.test_files",
+        json.dumps([str(bad)]),
+    )
     assert result.returncode == 2
     assert f"{bad}:1: field 'id': expected a string, got int" in result.stderr
 
 
 def test_unknown_model_folder_is_reported(tmp_path):
     (tmp_path / "model").mkdir()
-    result = run_cli("rollout", "--config", "recipes/quickstart.yaml", "--out", str(tmp_path / "t.jsonl"),
-                     "--model.policy", str(tmp_path / "model"))
+    result = run_cli(
+        "rollout",
+        "--config",
+        "recipes/quickstart.yaml",
+        "--out",
+        str(tmp_path / "t.jsonl"),
+        "--model.policy",
+        str(tmp_path / "model"),
+    )
     assert result.returncode == 2
     assert "not a Hugging Face model folder (no config.json)" in result.stderr
 
@@ -64,8 +94,19 @@ def test_unknown_model_folder_is_reported(tmp_path):
 @pytest.mark.slow
 def test_quickstart_rollout_end_to_end(tmp_path):
     out = tmp_path / "runs" / "t.jsonl"
-    result = run_cli("rollout", "--config", "recipes/quickstart.yaml", "--out", str(out), "--limit", "2",
-                     "--model.rollout.max_turns", "2", "--model.rollout.max_new_tokens", "24")
+    result = run_cli(
+        "rollout",
+        "--config",
+        "recipes/quickstart.yaml",
+        "--out",
+        str(out),
+        "--limit",
+        "2",
+        "--model.rollout.max_turns",
+        "2",
+        "--model.rollout.max_new_tokens",
+        "24",
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["profile_id"] for r in records] == ["en-test-001", "en-test-002"]

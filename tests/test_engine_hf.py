@@ -2,20 +2,26 @@
 
 import pytest
 import torch
+from rlver_plugins.hf_engine import HFEngine
 
 from rlver.interfaces import SamplingSettings
-from rlver_plugins.hf_engine import HFEngine
 
 pytestmark = pytest.mark.slow
 
-CHATS = ["I feel sad today.", "My boss shouted at me in front of everyone.", "hi", "Nobody came to my birthday."]
+CHATS = [
+    "I feel sad today.",
+    "My boss shouted at me in front of everyone.",
+    "hi",
+    "Nobody came to my birthday.",
+]
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     return [
-        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         for c in CHATS
     ]
 
@@ -62,7 +68,9 @@ def test_stop_and_length_are_respected(policy, prompts):
             assert len(ids) == 40 and not stops & set(ids)
     short = engine.generate(prompts, SamplingSettings(max_new_tokens=3, temperature=1.0, seed=2))
     assert all(len(g.token_ids) <= 3 for g in short)
-    assert all(g.finish_reason == "length" for g in short if len(g.token_ids) == 3 and g.token_ids[-1] not in stops)
+    assert all(
+        g.finish_reason == "length" for g in short if len(g.token_ids) == 3 and g.token_ids[-1] not in stops
+    )
 
 
 def test_seeded_and_order_preserving(policy, prompts):

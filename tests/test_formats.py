@@ -1,7 +1,7 @@
 import pytest
+from rlver_plugins.formats import NoThinkFormat, ThinkFormat
 
 from rlver.types import Profile
-from rlver_plugins.formats import NoThinkFormat, ThinkFormat
 
 PROFILE_EN = Profile("p", "player", "scene", "passive", ("a", "b", "c"), "You want deep empathy.")
 PROFILE_ZH = Profile("q", "玩家", "场景", "被动型", ("内向",), "你希望对方深刻共情你的感受")
@@ -49,10 +49,21 @@ def test_system_prompts_by_language():
     assert NoThinkFormat().system_prompt(PROFILE_EN).startswith("You are an intelligent chat partner")
     assert "高情商" in NoThinkFormat().system_prompt(PROFILE_ZH)
     assert "<think>" in ThinkFormat(language="en").system_prompt(PROFILE_ZH)
-    assert "<think>" in ThinkFormat().system_prompt(PROFILE_ZH) and "思考" in ThinkFormat().system_prompt(PROFILE_ZH)
+    assert "<think>" in ThinkFormat().system_prompt(PROFILE_ZH) and "思考" in ThinkFormat().system_prompt(
+        PROFILE_ZH
+    )
     assert ThinkFormat(system_prompt="Be brief.").system_prompt(PROFILE_EN) == "Be brief."
 
 
 def test_unknown_language_is_rejected():
     with pytest.raises(ValueError, match="language \\('fr'\\) must be one of en, zh, auto"):
         NoThinkFormat(language="fr")
+
+
+def test_registered_through_rlver_register_formats():
+    from rlver.plugins import get_registry
+
+    registry = get_registry()
+    assert registry.get("formats", "think").factory is ThinkFormat
+    assert registry.get("formats", "nothink").factory is NoThinkFormat
+    assert isinstance(registry.build("formats", {"name": "think", "language": "zh"}, flag="f"), ThinkFormat)

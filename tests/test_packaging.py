@@ -10,8 +10,12 @@ def test_every_plugin_folder_is_packaged_and_registered():
     entry_points = PYPROJECT["project"]["entry-points"]["rlver"]
     for folder in sorted((REPO / "plugins").iterdir()):
         if (folder / "__init__.py").is_file():
-            assert f"rlver_plugins.{folder.name}" in packages, f"{folder} missing from [tool.setuptools] packages"
-            assert entry_points.get(folder.name) == f"rlver_plugins.{folder.name}", f"{folder} has no entry point"
+            assert f"rlver_plugins.{folder.name}" in packages, (
+                f"{folder} missing from [tool.setuptools] packages"
+            )
+            assert entry_points.get(folder.name) == f"rlver_plugins.{folder.name}", (
+                f"{folder} has no entry point"
+            )
 
 
 def test_torch_is_pinned():

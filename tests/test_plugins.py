@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +18,8 @@ BUILTINS = {
     "embedded_user": {"simulators": ["embedded"]},
     "formats": {"formats": ["think", "nothink"]},
     "hf_engine": {"engines": ["hf"]},
+    "rewards": {"rewards": ["final_emotion", "format", "emotion_gain"]},
+    "advantages": {"advantages": ["gae", "grpo"]},
 }
 
 
@@ -31,7 +32,9 @@ def test_builtins_load_through_the_entry_point_group():
 
 
 def test_rlver_plugins_prints_json():
-    result = subprocess.run([sys.executable, "-m", "rlver.cli", "plugins"], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlver.cli", "plugins"], capture_output=True, text=True, check=True
+    )
     listed = {p["name"]: p["registers"] for p in json.loads(result.stdout)}
     assert {k: listed[k] for k in BUILTINS} == BUILTINS
 
@@ -49,14 +52,19 @@ class _Simulators:
 def test_duplicate_name_names_both_plugins():
     registry = Registry()
     registry.add(_Simulators("embedded"), name="first")
-    with pytest.raises(PluginError, match="simulator 'embedded' is registered twice: by plugin 'first' and by plugin 'second'"):
+    with pytest.raises(
+        PluginError,
+        match="simulator 'embedded' is registered twice: by plugin 'first' and by plugin 'second'",
+    ):
         registry.add(_Simulators("embedded"), name="second")
 
 
 def test_unknown_name_lists_the_available_ones():
     registry = Registry()
     registry.add(_Simulators("calm", "grumpy"), name="p")
-    with pytest.raises(PluginError, match=r"--model.simulator: unknown simulator 'angry'; available: calm, grumpy"):
+    with pytest.raises(
+        PluginError, match=r"--model.simulator: unknown simulator 'angry'; available: calm, grumpy"
+    ):
         registry.build("simulators", {"name": "angry"}, flag="--model.simulator")
 
 
@@ -82,7 +90,9 @@ def test_unknown_option_names_the_flag_and_accepted_options():
     registry = Registry()
     registry.add(WithOptions(), name="p")
     assert registry.build("simulators", {"name": "opt", "seed": 3}, flag="--model.simulator") == ("normal", 3)
-    with pytest.raises(PluginError, match=r"--model.simulator.mood: unknown option; accepted: difficulty, seed"):
+    with pytest.raises(
+        PluginError, match=r"--model.simulator.mood: unknown option; accepted: difficulty, seed"
+    ):
         registry.build("simulators", {"name": "opt", "mood": 1}, flag="--model.simulator")
     with pytest.raises(PluginError, match="--model.simulator: needs a 'name'"):
         registry.build("simulators", {"seed": 1}, flag="--model.simulator")
@@ -95,6 +105,7 @@ def test_every_registration_kind_and_observer_hook_is_called():
         pass
 
     for kind, hook_name in REGISTRATION_HOOKS.items():
+
         def register_one(self, register, kind=kind):
             register(f"my_{kind}", dict)
 
@@ -123,7 +134,10 @@ def test_every_registration_kind_and_observer_hook_is_called():
 def test_every_hook_is_documented_and_tested():
     readme = (REPO / "README.md").read_text()
     tests_text = "".join(p.read_text() for p in (REPO / "tests").glob("test_*.py"))
-    assert HOOK_NAMES == sorted([*REGISTRATION_HOOKS.values(), "rlver_on_rollout_end", "rlver_on_train_step_end"])
+    assert (
+        sorted([*REGISTRATION_HOOKS.values(), "rlver_on_rollout_end", "rlver_on_train_step_end"])
+        == HOOK_NAMES
+    )
     for name in HOOK_NAMES:
         assert f"`{name}" in readme, f"{name} is not documented in README.md"
         assert getattr(hookspecs, name).__doc__, f"{name} has no docstring"
@@ -141,7 +155,7 @@ def test_disabling_a_plugin_by_environment(monkeypatch):
 
 
 # --------------------------------------------------------------------------- third-party package
-THIRD_PARTY_MODULE = '''
+THIRD_PARTY_MODULE = """
 import json, os
 from rlver import hookimpl
 from rlver.interfaces import UserSession, UserSimulator
@@ -182,7 +196,7 @@ def rlver_register_simulators(register):
 def rlver_on_rollout_end(trajectories, step):
     with open(os.environ["ECHO_LOG"], "a") as handle:
         handle.write(json.dumps({"dialogues": len(trajectories), "step": step}) + "\\n")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +204,8 @@ def third_party_site(tmp_path_factory):
     """Build and install a throwaway plugin package into its own site folder."""
     source = tmp_path_factory.mktemp("rlver-echo-user")
     (source / "rlver_echo_user.py").write_text(THIRD_PARTY_MODULE)
-    (source / "pyproject.toml").write_text(textwrap.dedent("""
+    (source / "pyproject.toml").write_text(
+        textwrap.dedent("""
         [build-system]
         requires = ["setuptools"]
         build-backend = "setuptools.build_meta"
@@ -201,10 +216,22 @@ def third_party_site(tmp_path_factory):
         echo_user = "rlver_echo_user"
         [tool.setuptools]
         py-modules = ["rlver_echo_user"]
-    """))
+    """)
+    )
     site = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(source),
+        ],
         check=True,
         capture_output=True,
     )
@@ -220,7 +247,11 @@ def _env_with(site, **extra):
 
 def test_third_party_plugin_is_listed(third_party_site):
     result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "plugins"], capture_output=True, text=True, check=True, env=_env_with(third_party_site)
+        [sys.executable, "-m", "rlver.cli", "plugins"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_env_with(third_party_site),
     )
     listed = {p["name"]: p for p in json.loads(result.stdout)}
     assert listed["echo_user"]["version"] == "0.3.0"
@@ -230,16 +261,31 @@ def test_third_party_plugin_is_listed(third_party_site):
 @pytest.mark.slow
 def test_third_party_simulator_is_selectable_from_a_config(third_party_site, tmp_path):
     config = tmp_path / "echo.yaml"
-    config.write_text(textwrap.dedent("""
+    config.write_text(
+        textwrap.dedent("""
         model:
           simulator: {name: echo, mood: 61}
           rollout: {max_turns: 2, max_new_tokens: 8, temperature: 0}
         data: {batch_size: 2}
-    """))
+    """)
+    )
     out, log = tmp_path / "t.jsonl", tmp_path / "observer.jsonl"
     result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "rollout", "--config", str(config), "--out", str(out), "--limit", "2"],
-        capture_output=True, text=True, env=_env_with(third_party_site, ECHO_LOG=str(log)),
+        [
+            sys.executable,
+            "-m",
+            "rlver.cli",
+            "rollout",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            "--limit",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env_with(third_party_site, ECHO_LOG=str(log)),
     )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
@@ -248,3 +294,14 @@ def test_third_party_simulator_is_selectable_from_a_config(third_party_site, tmp
     assert records[0]["turns"][2]["text"].startswith("echo: ")
     assert [json.loads(line) for line in log.read_text().splitlines()] == [{"dialogues": 2, "step": None}]
     assert re.search(r"mean final emotion\s+63\.0", result.stdout)
+
+
+def test_hf_engine_registered_through_rlver_register_engines():
+    from rlver_plugins.hf_engine import HFEngine
+
+    registration = get_registry().get("engines", "hf")
+    assert registration.factory is HFEngine and registration.plugin == "hf_engine"
+    with pytest.raises(
+        PluginError, match=r"--model.engine.beams: unknown option; accepted: batch_size, sort_by_length"
+    ):
+        get_registry().check("engines", {"name": "hf", "beams": 2}, flag="--model.engine", context={"policy"})

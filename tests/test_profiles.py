@@ -27,7 +27,9 @@ def write_lines(path, lines):
 def test_official_chinese_sample_loads_unchanged():
     profiles = load_profiles(OFFICIAL_SAMPLE)
     assert len(profiles) == 12
-    raw = [json.loads(line) for line in OFFICIAL_SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    raw = [
+        json.loads(line) for line in OFFICIAL_SAMPLE.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
     for profile, record in zip(profiles, raw):
         assert profile.to_record() == record
         assert profile.theme is not None, record["task"]
@@ -76,11 +78,20 @@ def test_extra_fields_are_kept(tmp_path):
     [
         ('{"id": "x2", ', r"p\.jsonl:2: invalid JSON"),
         ('["a list"]', r"p\.jsonl:2: expected a JSON object, got list"),
-        ({k: v for k, v in GOOD.items() if k != "scene"} | {"id": "x2"}, r"p\.jsonl:2: field 'scene': missing"),
+        (
+            {k: v for k, v in GOOD.items() if k != "scene"} | {"id": "x2"},
+            r"p\.jsonl:2: field 'scene': missing",
+        ),
         (GOOD | {"id": "x2", "task": 7}, r"p\.jsonl:2: field 'task': expected a string, got int"),
         (GOOD | {"id": "x2", "player": "  "}, r"p\.jsonl:2: field 'player': empty"),
-        (GOOD | {"id": "x2", "cha_group": "shy"}, r"p\.jsonl:2: field 'cha_group': expected a list of strings"),
-        (GOOD | {"id": "x2", "main_cha": "grumpy"}, r"p\.jsonl:2: field 'main_cha': unknown personality type"),
+        (
+            GOOD | {"id": "x2", "cha_group": "shy"},
+            r"p\.jsonl:2: field 'cha_group': expected a list of strings",
+        ),
+        (
+            GOOD | {"id": "x2", "main_cha": "grumpy"},
+            r"p\.jsonl:2: field 'main_cha': unknown personality type",
+        ),
         (GOOD | {"id": "x2", "first_talk": 3}, r"p\.jsonl:2: field 'first_talk': expected a string"),
         (GOOD | {"id": "x2", "theme": "telepathy"}, r"p\.jsonl:2: field 'theme': unknown hidden theme"),
         (GOOD, r"p\.jsonl:2: field 'id': duplicate id 'x1' \(first at line 1\)"),
@@ -95,14 +106,18 @@ def test_each_bad_line_names_file_line_and_field(tmp_path, line, message):
 def test_duplicate_across_files_names_both_places(tmp_path):
     first = write_lines(tmp_path / "a.jsonl", [GOOD])
     second = write_lines(tmp_path / "b.jsonl", [GOOD | {"id": "y"}, GOOD])
-    with pytest.raises(ProfileError, match=r"b\.jsonl:2: field 'id': duplicate id 'x1' \(first at .*a\.jsonl:1\)"):
+    with pytest.raises(
+        ProfileError, match=r"b\.jsonl:2: field 'id': duplicate id 'x1' \(first at .*a\.jsonl:1\)"
+    ):
         load_profile_sets([first, second])
 
 
 def test_missing_file_and_unknown_builtin(tmp_path):
     with pytest.raises(ProfileError, match="profile file not found"):
         load_profiles(tmp_path / "nope.jsonl")
-    with pytest.raises(ProfileError, match="unknown built-in profile set 'builtin:fr'; available: en_test, en_train"):
+    with pytest.raises(
+        ProfileError, match="unknown built-in profile set 'builtin:fr'; available: en_test, en_train"
+    ):
         load_profiles("builtin:fr")
 
 

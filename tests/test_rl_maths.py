@@ -54,11 +54,11 @@ def test_grpo_group_baseline_by_hand():
 @pytest.mark.parametrize(
     ("ratio", "advantage", "loss", "clipped"),
     [
-        (1.5, 1.0, -1.2, 1.0),   # beyond the clip, positive advantage: gain capped
-        (1.5, -1.0, 1.5, 0.0),   # negative advantage: the pessimistic unclipped term
+        (1.5, 1.0, -1.2, 1.0),  # beyond the clip, positive advantage: gain capped
+        (1.5, -1.0, 1.5, 0.0),  # negative advantage: the pessimistic unclipped term
         (0.5, 1.0, -0.5, 0.0),
-        (0.5, -1.0, 0.8, 1.0),   # below 1 - eps, negative advantage: clipped
-        (1.2, 1.0, -1.2, 0.0),   # exactly at the clip: both terms equal, nothing counts as clipped
+        (0.5, -1.0, 0.8, 1.0),  # below 1 - eps, negative advantage: clipped
+        (1.2, 1.0, -1.2, 0.0),  # exactly at the clip: both terms equal, nothing counts as clipped
         (1.0, 2.0, -2.0, 0.0),
     ],
 )

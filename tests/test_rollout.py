@@ -3,19 +3,25 @@
 import json
 
 import pytest
+from rlver_plugins.formats import NoThinkFormat, ThinkFormat
+from rlver_plugins.hf_engine import HFEngine
 
-from rlver.interfaces import Generation, RolloutEngine, UserSession, UserSimulator
+from rlver.interfaces import ParsedReply, UserSession, UserSimulator
 from rlver.rollout import PolicyTurn, RolloutRunner, RolloutSettings, pack_sequences, summarize
 from rlver.transcripts import TranscriptWriter, read_transcripts
 from rlver.types import Profile, UserTurn
-from rlver_plugins.formats import NoThinkFormat, ThinkFormat
-from rlver_plugins.hf_engine import HFEngine
-from rlver.interfaces import ParsedReply
 
 
 def make_profile(pid, first_talk="My sister moved away and I feel lost."):
-    return Profile(pid, "* Name: Ana", "A story.", "passive", ("a", "b", "c"),
-                   "You want deep empathy for what you feel, not shallow comfort.", first_talk=first_talk)
+    return Profile(
+        pid,
+        "* Name: Ana",
+        "A story.",
+        "passive",
+        ("a", "b", "c"),
+        "You want deep empathy for what you feel, not shallow comfort.",
+        first_talk=first_talk,
+    )
 
 
 class ScriptedSession(UserSession):
@@ -38,7 +44,9 @@ class ScriptedSession(UserSession):
         self.replies.append(reply)
         self._emotion += 5
         done = "success" if self._emotion >= self.success_at else None
-        return UserTurn(f"I see. Tell me more about {len(self.replies)}.", self._emotion, 5.0, {"why": "scripted"}, done)
+        return UserTurn(
+            f"I see. Tell me more about {len(self.replies)}.", self._emotion, 5.0, {"why": "scripted"}, done
+        )
 
 
 class ScriptedSimulator(UserSimulator):
@@ -54,7 +62,9 @@ class ScriptedSimulator(UserSimulator):
 
 def runner_for(policy, prompt_format, simulator, **settings):
     defaults = dict(max_turns=2, max_new_tokens=24, temperature=1.0, seed=1)
-    return RolloutRunner(policy, HFEngine(policy), simulator, prompt_format, RolloutSettings(**{**defaults, **settings}))
+    return RolloutRunner(
+        policy, HFEngine(policy), simulator, prompt_format, RolloutSettings(**{**defaults, **settings})
+    )
 
 
 def assert_masks_cover_exactly_the_sampled_ids(trajectory):
@@ -67,7 +77,9 @@ def assert_masks_cover_exactly_the_sampled_ids(trajectory):
             turn = trajectory.policy_turns[turn_index]
             assert sequence.input_ids[start:end] == turn.response_ids
             assert sequence.old_logprobs[start:end] == turn.logprobs
-            assert sequence.input_ids[:start][-len(turn.prompt_ids):] == turn.prompt_ids or start == len(turn.prompt_ids)
+            assert sequence.input_ids[:start][-len(turn.prompt_ids) :] == turn.prompt_ids or start == len(
+                turn.prompt_ids
+            )
         masked = [i for i, m in zip(sequence.input_ids, sequence.loss_mask) if m == 1]
         covered.append(masked)
         spans = {p for _, s, e in sequence.turn_spans for p in range(s, e)}
@@ -89,7 +101,10 @@ def test_nothink_dialogue_packs_into_one_exact_sequence(policy):
         assert_masks_cover_exactly_the_sampled_ids(trajectory)
         second = trajectory.policy_turns[1]
         first = trajectory.policy_turns[0]
-        assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+        assert (
+            second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)]
+            == first.prompt_ids + first.response_ids
+        )
         # the user's reply is in the second prompt, and decodes as the chat template renders it
         assert "Tell me more about 1." in policy.tokenizer.decode(second.prompt_ids)
     # each simulator session saw exactly its own dialogue's visible replies
@@ -122,13 +137,20 @@ def test_finished_dialogues_leave_without_disturbing_others(policy):
     assert (short.termination, short.num_turns, short.final_emotion) == ("success", 1, 45.0)
     assert (long.termination, long.num_turns, long.final_emotion) == ("max_turns", 3, 55.0)
     assert summarize([short, long]) == {
-        "dialogues": 2, "mean_final_emotion": 50.0, "success": 1, "failure": 0, "mean_turns": 2.0, "format_violations": 0,
+        "dialogues": 2,
+        "mean_final_emotion": 50.0,
+        "success": 1,
+        "failure": 0,
+        "mean_turns": 2.0,
+        "format_violations": 0,
     }
 
 
 @pytest.mark.slow
 def test_context_limit_ends_a_dialogue(policy):
-    runner = runner_for(policy, NoThinkFormat(), ScriptedSimulator(), max_turns=4, max_new_tokens=16, max_context_tokens=90)
+    runner = runner_for(
+        policy, NoThinkFormat(), ScriptedSimulator(), max_turns=4, max_new_tokens=16, max_context_tokens=90
+    )
     (trajectory,) = runner.run([make_profile("c")])
     assert trajectory.termination == "context_limit"
     assert all(len(t.prompt_ids) + 16 <= 90 for t in trajectory.policy_turns)
@@ -145,7 +167,12 @@ def test_same_seed_same_dialogues(policy):
 @pytest.mark.slow
 def test_transcript_is_complete_and_self_describing(policy, tmp_path):
     runner = runner_for(policy, ThinkFormat(), ScriptedSimulator(), max_new_tokens=12)
-    runner.components = {"simulator": "scripted", "prompt_format": "think", "engine": "hf", "model": "smollm2"}
+    runner.components = {
+        "simulator": "scripted",
+        "prompt_format": "think",
+        "engine": "hf",
+        "model": "smollm2",
+    }
     trajectories = runner.run([make_profile("a"), make_profile("b")])
     with TranscriptWriter(tmp_path / "t.jsonl") as writer:
         writer.write(trajectories)
@@ -159,7 +186,9 @@ def test_transcript_is_complete_and_self_describing(policy, tmp_path):
         assert record["turns"][2]["reason"] == {"why": "scripted"} and record["turns"][2]["change"] == 5.0
         assert all("thinking" in t and "format_ok" in t for t in record["turns"] if t["role"] == "assistant")
         assert record["termination"] == "max_turns" and record["final_emotion"] == 50.0
-        assert record["format_violations"] == sum(not t["format_ok"] for t in record["turns"] if t["role"] == "assistant")
+        assert record["format_violations"] == sum(
+            not t["format_ok"] for t in record["turns"] if t["role"] == "assistant"
+        )
         json.dumps(record)
 
 
@@ -175,7 +204,9 @@ def test_pack_sequences_by_hand():
     assert first.loss_mask == [0, 0, 1, 1, 0, 0, 1]
     assert first.old_logprobs == [0, 0, -0.5, -0.5, 0, 0, -0.5]
     assert first.turn_spans == [(0, 2, 4), (1, 6, 7)]
-    assert second.input_ids == [9, 9, 8] and second.loss_mask == [0, 0, 1] and second.turn_spans == [(2, 2, 3)]
+    assert (
+        second.input_ids == [9, 9, 8] and second.loss_mask == [0, 0, 1] and second.turn_spans == [(2, 2, 3)]
+    )
 
 
 def test_settings_are_validated():

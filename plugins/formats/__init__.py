@@ -1,7 +1,8 @@
 """Built-in prompt formats: `think` (<think>...</think> then the reply) and `nothink`."""
 
-from rlver import hookimpl
 from rlver_plugins.formats.formats import NoThinkFormat, ThinkFormat
+
+from rlver import hookimpl
 
 __all__ = ["NoThinkFormat", "ThinkFormat"]
 

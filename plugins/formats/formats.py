@@ -108,4 +108,6 @@ class ThinkFormat(_BaseFormat):
             error = "empty thinking"
         elif not visible:
             error = "empty reply after </think>"
-        return ParsedReply(visible=visible, thinking=thinking or None, format_ok=error is None, format_error=error)
+        return ParsedReply(
+            visible=visible, thinking=thinking or None, format_ok=error is None, format_error=error
+        )

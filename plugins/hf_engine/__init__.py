@@ -1,7 +1,8 @@
 """The `hf` rollout engine: transformers `generate` on the training module itself."""
 
-from rlver import hookimpl
 from rlver_plugins.hf_engine.engine import HFEngine
+
+from rlver import hookimpl
 
 __all__ = ["HFEngine"]
 

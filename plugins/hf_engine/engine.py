@@ -72,12 +72,16 @@ class HFEngine(RolloutEngine):
             chunk = order[start : start + self.batch_size]
             # Each chunk gets its own seed so results do not depend on how many chunks ran before.
             chunk_seed = sampling.seed * 1_000_003 + chunk_index
-            for index, generation in zip(chunk, self._generate_chunk([prompts[i] for i in chunk], sampling, chunk_seed)):
+            for index, generation in zip(
+                chunk, self._generate_chunk([prompts[i] for i in chunk], sampling, chunk_seed), strict=True
+            ):
                 results[index] = generation
         return [r for r in results if r is not None]
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[Sequence[int]], sampling: SamplingSettings, seed: int) -> list[Generation]:
+    def _generate_chunk(
+        self, prompts: list[Sequence[int]], sampling: SamplingSettings, seed: int
+    ) -> list[Generation]:
         model = self.policy.model
         device = self.policy.device
         width = max(len(p) for p in prompts)

@@ -72,7 +72,9 @@ class ProfileDataModule(L.LightningDataModule):
         return self._splits[split]
 
     def setup(self, stage: str | None = None) -> None:
-        wanted = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"]}.get(stage or "", list(self.files))
+        wanted = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"]}.get(
+            stage or "", list(self.files)
+        )
         for split in wanted:
             self.profiles(split)
 

@@ -35,7 +35,9 @@ def resolve_profile_path(source: str | Path) -> Path:
         name = text[len(BUILTIN_PREFIX) :]
         path = BUILTIN_DIR / f"{name}.jsonl"
         if not path.is_file():
-            raise ProfileError(f"unknown built-in profile set {text!r}; available: {', '.join(builtin_sets())}")
+            raise ProfileError(
+                f"unknown built-in profile set {text!r}; available: {', '.join(builtin_sets())}"
+            )
         return path
     path = Path(text).expanduser()
     if not path.is_file():
@@ -108,7 +110,8 @@ def load_profiles(source: str | Path) -> list[Profile]:
             profile = parse_profile(record, where=where)
             if profile.id in first_line_of:
                 raise ProfileError(
-                    f"{where}: field 'id': duplicate id {profile.id!r} (first at line {first_line_of[profile.id]})"
+                    f"{where}: field 'id': duplicate id {profile.id!r} "
+                    f"(first at line {first_line_of[profile.id]})"
                 )
             first_line_of[profile.id] = line_number
             profiles.append(profile)

@@ -14,7 +14,9 @@ import torch
 def terminal_rewards(dialogue_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, T) token rewards: each dialogue's reward on its last real position, 0 elsewhere."""
     if dialogue_rewards.shape != mask.shape[:1]:
-        raise ValueError(f"dialogue_rewards {tuple(dialogue_rewards.shape)} does not match mask {tuple(mask.shape)}")
+        raise ValueError(
+            f"dialogue_rewards {tuple(dialogue_rewards.shape)} does not match mask {tuple(mask.shape)}"
+        )
     lengths = mask.long().sum(dim=1)
     if (lengths == 0).any():
         raise ValueError("every dialogue needs at least one policy token")
@@ -58,7 +60,9 @@ def group_normalized(
     std is the unbiased sample std, as in the reference; a group of one is degenerate.
     """
     if scores.shape != group_ids.shape or scores.dim() != 1:
-        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
+        raise ValueError(
+            f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes"
+        )
     advantages = torch.zeros_like(scores)
     degenerate = torch.zeros_like(scores, dtype=torch.bool)
     for group in torch.unique(group_ids):

@@ -1,0 +1,161 @@
+"""The embedded user: a deterministic, rule-based affective user that needs no LLM.
+
+It follows the SAGE loop without the two LLM calls: a transparent rubric
+(`rubric.py`) plays the planning step and yields a raw change; the shared
+mechanics in `rlver.emotion` scale, clamp and cap it and decide termination;
+`voice.py` plays the reply step from the profile's own story. The planning
+record on `UserTurn.reason` is documented in `rubric.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+from rlver.emotion import Difficulty, apply_change, band, resolve_difficulty, termination
+from rlver.interfaces import UserSession, UserSimulator
+from rlver.types import Profile, UserTurn
+
+from .rubric import Rubric, RubricSettings, TurnContext
+from .story import story_keywords
+from .voice import Voice
+
+SUPPORTED_LANGUAGES = ("en", "zh")
+# A reply that costs this much or more makes the user stop telling their story.
+WITHDRAW_BELOW = -3.0
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed that is the same in every process (Python's hash() is salted per run)."""
+    digest = hashlib.sha256("\x1f".join(str(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+class EmbeddedUserSimulator(UserSimulator):
+    """Rule-based simulated user with SAGE emotion mechanics; no model, no network."""
+
+    def __init__(
+        self,
+        difficulty: str | dict[str, Any] = "normal",
+        seed: int = 0,
+        short_reply_words: int = 4,
+        long_reply_words: int = 120,
+        near_duplicate_similarity: float = 0.75,
+        language: str | None = None,
+    ) -> None:
+        """Configure the embedded user.
+
+        Args:
+            difficulty: "easy", "normal" or "hard", or a dict overriding a preset, e.g.
+                {"base": "hard", "start": 35}. Sets the start emotion, the scaling of
+                gains and losses, and the tolerance of mild misses.
+            seed: base seed for the user's wording; mixed with each dialogue's seed and the
+                profile id. The emotion path never depends on it.
+            short_reply_words: replies under this many words (two Chinese characters count
+                as one word) are too short to engage, a mild miss.
+            long_reply_words: replies over this many words are a wall of text, a mild miss.
+            near_duplicate_similarity: word-overlap (Jaccard) at or above which a reply counts
+                as a repeat of an earlier one; within (0, 1].
+            language: "en" or "zh" to force the rubric's and the user's language; None takes
+                each profile's own.
+        """
+        try:
+            self.difficulty: Difficulty = resolve_difficulty(difficulty)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"embedded simulator: difficulty: {error}") from None
+        _require(isinstance(seed, int) and not isinstance(seed, bool), f"seed ({seed!r}) must be an integer")
+        _require(
+            isinstance(short_reply_words, int) and short_reply_words >= 1,
+            f"short_reply_words ({short_reply_words!r}) must be an integer >= 1",
+        )
+        _require(
+            isinstance(long_reply_words, int) and long_reply_words > short_reply_words,
+            f"long_reply_words ({long_reply_words!r}) must be an integer"
+            f" > short_reply_words ({short_reply_words})",
+        )
+        _require(
+            isinstance(near_duplicate_similarity, int | float) and 0 < near_duplicate_similarity <= 1,
+            f"near_duplicate_similarity ({near_duplicate_similarity!r}) must be within (0, 1]",
+        )
+        _require(
+            language is None or language in SUPPORTED_LANGUAGES,
+            f"language ({language!r}) must be one of {', '.join(SUPPORTED_LANGUAGES)} or None",
+        )
+        self.seed = seed
+        self.language = language
+        self.settings = RubricSettings(
+            tolerance=self.difficulty.tolerance,
+            short_reply_words=short_reply_words,
+            long_reply_words=long_reply_words,
+            near_duplicate_similarity=float(near_duplicate_similarity),
+        )
+
+    def open(self, profile: Profile, *, seed: int) -> EmbeddedUserSession:
+        language = self.language or profile.language
+        if language not in SUPPORTED_LANGUAGES:
+            language = "en"
+        rubric = Rubric(profile.theme, profile.personality, language, self.settings)
+        voice = Voice(profile, language, random.Random(stable_seed(self.seed, seed, profile.id)))
+        return EmbeddedUserSession(profile, self.difficulty, rubric, voice, story_keywords(profile, language))
+
+
+class EmbeddedUserSession(UserSession):
+    """One dialogue with the embedded user; holds all of that dialogue's state."""
+
+    def __init__(
+        self, profile: Profile, difficulty: Difficulty, rubric: Rubric, voice: Voice, keywords: set[str]
+    ) -> None:
+        self.profile = profile
+        self.difficulty = difficulty
+        self.rubric = rubric
+        self.voice = voice
+        self.keywords = frozenset(keywords)
+        self._emotion = difficulty.start
+        self._replies: list[str] = []
+        self._story_so_far = ""  # the story part of the user's latest message, for attention
+        self._opening: UserTurn | None = None
+        self._ended: str | None = None
+
+    @property
+    def emotion(self) -> float:
+        return self._emotion
+
+    def opening(self) -> UserTurn:
+        if self._opening is None:
+            text, story = self.voice.opening()
+            self._story_so_far = story
+            self._opening = UserTurn(text=text, emotion=self._emotion, reason={"analysis": "opening line"})
+        return self._opening
+
+    def respond(self, reply: str) -> UserTurn:
+        if self._ended:
+            raise RuntimeError(f"profile {self.profile.id}: the dialogue already ended ({self._ended})")
+        self.opening()
+        context = TurnContext(self._story_so_far, self.keywords, tuple(self._replies))
+        assessment = self.rubric.assess(reply, context)
+        before = self._emotion
+        emotion, _ = apply_change(before, assessment.raw_change, self.difficulty)
+        # Two decimals keep transcripts readable and free of float noise (35.869999...).
+        self._emotion = round(emotion, 2)
+        applied = round(self._emotion - before, 2)
+        self._replies.append(reply)
+        band_label = band(self._emotion)
+        self._ended = termination(self._emotion, self.difficulty)
+        if self._ended:
+            text = self.voice.goodbye(self._ended)
+        else:
+            text, story = self.voice.reply(band_label, assessment.signal, willing=applied > WITHDRAW_BELOW)
+            self._story_so_far = story or self._story_so_far
+        return UserTurn(
+            text=text,
+            emotion=self._emotion,
+            change=applied,
+            reason=assessment.record(applied, self._emotion, band_label),
+            termination=self._ended,
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"embedded simulator: {message}")

@@ -1,0 +1,108 @@
+"""From finished dialogues to training tensors.
+
+Training samples are the packed token sequences of the dialogues (one per
+dialogue in the non-thinking format, one per turn in the thinking format).
+Advantages are computed on per-dialogue *timelines*: the dialogue's
+policy-sampled tokens in order across all its sequences. `timeline_seq` and
+`timeline_pos` say where each timeline position lives in the sequence tensors,
+so values can be gathered from, and advantages scattered back to, sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rlver.rollout import Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # (S, L) right-padded
+    attention_mask: torch.Tensor  # (S, L)
+    loss_mask: torch.Tensor  # (S, L) 1 on policy-sampled tokens
+    engine_logprobs: torch.Tensor  # (S, L) the engine's log-probs, 0 off the mask
+    sequence_dialogue: torch.Tensor  # (S,) which dialogue each sequence belongs to
+    timeline_seq: torch.Tensor  # (D, T) sequence index of each timeline position
+    timeline_pos: torch.Tensor  # (D, T) position within that sequence
+    timeline_mask: torch.Tensor  # (D, T) 1 on real timeline positions
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to_timeline(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Gather a (S, L) tensor into (D, T) timelines (0 on padding)."""
+        return per_token[self.timeline_seq, self.timeline_pos] * self.timeline_mask.to(per_token.dtype)
+
+    def to_sequences(self, timeline: torch.Tensor) -> torch.Tensor:
+        """Scatter a (D, T) timeline tensor back to (S, L) (0 off the loss mask)."""
+        out = torch.zeros(self.input_ids.shape, dtype=timeline.dtype, device=timeline.device)
+        real = self.timeline_mask.bool()
+        out[self.timeline_seq[real], self.timeline_pos[real]] = timeline[real]
+        return out
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        return RolloutBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+
+
+def build_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
+    sequences = []
+    owners = []
+    for dialogue, trajectory in enumerate(trajectories):
+        for sequence in trajectory.sequences:
+            sequences.append(sequence)
+            owners.append(dialogue)
+    if not sequences:
+        raise ValueError("no policy tokens to train on")
+    width = max(len(s) for s in sequences)
+    count = len(sequences)
+    input_ids = torch.full((count, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((count, width), dtype=torch.long)
+    loss_mask = torch.zeros((count, width), dtype=torch.long)
+    engine_logprobs = torch.zeros((count, width), dtype=torch.float32)
+    timelines: list[list[tuple[int, int]]] = [[] for _ in trajectories]
+    for index, (sequence, owner) in enumerate(zip(sequences, owners, strict=True)):
+        length = len(sequence)
+        input_ids[index, :length] = torch.tensor(sequence.input_ids)
+        attention_mask[index, :length] = 1
+        loss_mask[index, :length] = torch.tensor(sequence.loss_mask)
+        engine_logprobs[index, :length] = torch.tensor(sequence.old_logprobs)
+        timelines[owner].extend((index, p) for p, m in enumerate(sequence.loss_mask) if m)
+    horizon = max(len(t) for t in timelines)
+    timeline_seq = torch.zeros((len(trajectories), horizon), dtype=torch.long)
+    timeline_pos = torch.zeros((len(trajectories), horizon), dtype=torch.long)
+    timeline_mask = torch.zeros((len(trajectories), horizon), dtype=torch.long)
+    for dialogue, timeline in enumerate(timelines):
+        if not timeline:
+            raise ValueError(
+                f"dialogue {dialogue} ({trajectories[dialogue].profile.id}) has no policy tokens"
+            )
+        timeline_seq[dialogue, : len(timeline)] = torch.tensor([s for s, _ in timeline])
+        timeline_pos[dialogue, : len(timeline)] = torch.tensor([p for _, p in timeline])
+        timeline_mask[dialogue, : len(timeline)] = 1
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        engine_logprobs=engine_logprobs,
+        sequence_dialogue=torch.tensor(owners, dtype=torch.long),
+        timeline_seq=timeline_seq,
+        timeline_pos=timeline_pos,
+        timeline_mask=timeline_mask,
+    )
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(S, L) log-prob of each token given the ones before it (position 0 gets 0).
+
+    Uses logits / temperature, matching what the engines report for sampled tokens.
+    """
+    logits = logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    # gather - logsumexp avoids materialising a second (S, L, V) tensor of log-probs.
+    picked = logits.gather(2, input_ids[:, 1:, None]).squeeze(2) - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(picked, (1, 0))

@@ -1,0 +1,708 @@
+"""The RL LightningModule: one `training_step` is one PPO/GRPO iteration.
+
+Manual optimization. Every rank rolls out its own share of the dialogues (its
+dataloader shard); GRPO groups are formed on-rank from that rank's profiles,
+so a group is always whole on one rank; logged metrics are reduced across
+ranks. Only the last actor optimizer step of an iteration advances
+`trainer.global_step`, so `max_steps` counts RL iterations, not minibatches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+
+from rlver.batch import RolloutBatch, build_batch, token_logprobs
+from rlver.critic import ValueModel
+from rlver.interfaces import AdvantageBatch
+from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
+from rlver.plugins import get_registry, split_spec
+from rlver.rl.advantages import terminal_rewards
+from rlver.rl.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    explained_variance,
+    kl_estimate,
+    masked_mean,
+)
+from rlver.rollout import RolloutRunner, RolloutSettings, Trajectory, summarize
+from rlver.types import Profile
+
+ComponentSpec = str | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PPOSettings:
+    """The update: PPO epochs, minibatches, clipping, entropy and KL.
+
+    Args:
+        ppo_epochs: Passes over one iteration's rollouts.
+        minibatch_size: Sequences per optimizer step (0: all of them, one step per epoch).
+        micro_batch_size: Sequences per forward/backward (gradient accumulation within a minibatch).
+        clip_ratio: PPO policy ratio clip epsilon.
+        value_clip: Critic value clip range.
+        entropy_coef: Entropy bonus weight.
+        loss_aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum.
+        grad_clip: Max gradient norm (0: no clipping).
+        kl_coef: Weight of the KL to the frozen reference policy (0: no reference model).
+        kl_estimator: k1 or k3.
+        kl_mode: in-loss (a loss term) or in-reward (subtracted from token rewards).
+    """
+
+    ppo_epochs: int = 1
+    minibatch_size: int = 0
+    micro_batch_size: int = 4
+    clip_ratio: float = 0.2
+    value_clip: float = 0.5
+    entropy_coef: float = 0.001
+    loss_aggregation: str = "token-mean"
+    grad_clip: float = 1.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_mode: str = "in-loss"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.ppo_epochs >= 1, f"--model.ppo.ppo_epochs ({self.ppo_epochs}) must be >= 1"),
+            (self.minibatch_size >= 0, f"--model.ppo.minibatch_size ({self.minibatch_size}) must be >= 0"),
+            (
+                self.micro_batch_size >= 1,
+                f"--model.ppo.micro_batch_size ({self.micro_batch_size}) must be >= 1",
+            ),
+            (self.clip_ratio > 0, f"--model.ppo.clip_ratio ({self.clip_ratio}) must be > 0"),
+            (self.value_clip > 0, f"--model.ppo.value_clip ({self.value_clip}) must be > 0"),
+            (self.kl_coef >= 0, f"--model.ppo.kl_coef ({self.kl_coef}) must be >= 0"),
+            (self.grad_clip >= 0, f"--model.ppo.grad_clip ({self.grad_clip}) must be >= 0"),
+            (
+                self.loss_aggregation in AGGREGATIONS,
+                f"--model.ppo.loss_aggregation ({self.loss_aggregation!r}) "
+                f"must be one of {', '.join(AGGREGATIONS)}",
+            ),
+            (
+                self.kl_estimator in KL_ESTIMATORS,
+                f"--model.ppo.kl_estimator ({self.kl_estimator!r}) must be one of {', '.join(KL_ESTIMATORS)}",
+            ),
+            (
+                self.kl_mode in ("in-loss", "in-reward"),
+                f"--model.ppo.kl_mode ({self.kl_mode!r}) must be in-loss or in-reward",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def _plain(value: Any) -> Any:
+    """Config values may arrive as jsonargparse Namespaces; components get plain data."""
+    if hasattr(value, "as_dict"):
+        return _plain(value.as_dict())
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _as_settings(cls: type, value: Any, flag: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(**_plain(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{flag}: {error}") from None
+
+
+class RLVERModule(L.LightningModule):
+    """Trains a chat policy against simulated users with PPO (critic + GAE) or GRPO.
+
+    Args:
+        policy: Policy model: smollm2-135m-instruct (embedded), a local HF folder, or a hub id.
+        critic: Critic initialisation (a model folder); None: the policy's weights.
+        dtype: Weight dtype: float32, bfloat16 or float16 (mixed precision is the trainer's `precision`).
+        engine: Rollout engine: a name or {"name": ..., <options>}.
+        simulator: User simulator: a name or {"name": ..., <options>}.
+        prompt_format: Prompt format: think, nothink, or {"name": ..., <options>}.
+        rollout: Dialogue settings for training rollouts.
+        eval_temperature: Sampling temperature for validation and test rollouts (0: greedy).
+        rewards: Reward components, summed: names or {"name": ..., "weight": w, <options>}.
+        advantage: Advantage estimator: gae (PPO, trains a critic) or grpo.
+        group_size: Dialogues per profile per step (GRPO's n); they share persona and opening.
+        ppo: The update settings.
+        actor_lr: Policy AdamW learning rate.
+        critic_lr: Critic AdamW learning rate.
+        weight_decay: AdamW weight decay for both.
+        actor_warmup_ratio: Fraction of max_steps with linear warmup of the actor lr, then constant.
+        critic_warmup_ratio: Same for the critic.
+        gradient_checkpointing: Trade compute for memory in the policy and critic.
+        log_samples_every_n_steps: Log sample dialogues and an emotion plot every N steps (0: never).
+    """
+
+    def __init__(
+        self,
+        policy: str = "smollm2-135m-instruct",
+        critic: str | None = None,
+        dtype: str = "float32",
+        engine: ComponentSpec = "hf",
+        simulator: ComponentSpec = "embedded",
+        prompt_format: ComponentSpec = "nothink",
+        rollout: RolloutSettings = RolloutSettings(),  # noqa: B008 - frozen, so sharing is safe
+        eval_temperature: float = 0.0,
+        rewards: list[ComponentSpec] | None = None,
+        advantage: ComponentSpec = "grpo",
+        group_size: int = 1,
+        ppo: PPOSettings = PPOSettings(),
+        actor_lr: float = 1e-6,
+        critic_lr: float = 5e-6,
+        weight_decay: float = 0.01,
+        actor_warmup_ratio: float = 0.02,
+        critic_warmup_ratio: float = 0.05,
+        gradient_checkpointing: bool = False,
+        log_samples_every_n_steps: int = 10,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.save_hyperparameters()
+        if dtype not in DTYPES:
+            raise ValueError(f"--model.dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
+        if group_size < 1:
+            raise ValueError(f"--model.group_size ({group_size}) must be >= 1")
+        for name, value in (
+            ("actor_warmup_ratio", actor_warmup_ratio),
+            ("critic_warmup_ratio", critic_warmup_ratio),
+        ):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"--model.{name} ({value}) must be within [0, 1)")
+        self.rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
+        self.ppo = _as_settings(PPOSettings, ppo, "--model.ppo")
+        if eval_temperature < 0:
+            raise ValueError(f"--model.eval_temperature ({eval_temperature}) must be >= 0")
+
+        registry = get_registry()
+        self.component_specs = {
+            "model": policy,
+            "engine": _plain(engine),
+            "simulator": _plain(simulator),
+            "prompt_format": _plain(prompt_format),
+            "advantage": _plain(advantage),
+        }
+        self.simulator = registry.build(
+            "simulators", self.component_specs["simulator"], flag="--model.simulator"
+        )
+        self.prompt_format = registry.build(
+            "formats", self.component_specs["prompt_format"], flag="--model.prompt_format"
+        )
+        registry.check("engines", self.component_specs["engine"], flag="--model.engine", context={"policy"})
+        self.advantage_estimator = registry.build(
+            "advantages", self.component_specs["advantage"], flag="--model.advantage"
+        )
+        self.reward_functions = self._build_rewards(
+            registry, _plain(rewards) if rewards is not None else ["final_emotion"]
+        )
+        if getattr(self.advantage_estimator, "requires_critic", False) is False and critic is not None:
+            raise ValueError("--model.critic is set but the advantage estimator trains no critic")
+        if group_size < 2 and self.component_specs["advantage"] in ("grpo", {"name": "grpo"}):
+            raise ValueError(f"--model.group_size ({group_size}) must be >= 2 for GRPO")
+
+        self.policy_model: torch.nn.Module | None = None
+        self.value_model: ValueModel | None = None
+        self._reference: list[torch.nn.Module] = []  # a list keeps it out of state_dict and checkpoints
+        self.tokenizer: Any = None
+        self.runner: RolloutRunner | None = None
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _build_rewards(registry: Any, specs: Sequence[ComponentSpec]) -> list[tuple[str, float, Any]]:
+        if not specs:
+            raise ValueError("--model.rewards: at least one reward is needed")
+        built = []
+        for index, spec in enumerate(specs):
+            flag = f"--model.rewards[{index}]"
+            name, options = split_spec(spec, flag=flag)
+            weight = float(options.pop("weight", 1.0))
+            built.append((name, weight, registry.build("rewards", {"name": name, **options}, flag=flag)))
+        return built
+
+    @property
+    def uses_critic(self) -> bool:
+        return bool(getattr(self.advantage_estimator, "requires_critic", False))
+
+    def configure_model(self) -> None:
+        """Load the networks (called by Lightning once the strategy is set up; idempotent)."""
+        if self.policy_model is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        hp = self.hparams
+        path = resolve_model_path(hp.policy)
+        weight_dtype = DTYPES[hp.dtype]
+        self.tokenizer = load_tokenizer(path)
+        self.policy_model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype)
+        if self.uses_critic:
+            self.value_model = ValueModel(
+                resolve_model_path(hp.critic) if hp.critic else path, dtype=weight_dtype
+            )
+        if self.ppo.kl_coef > 0:
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype).eval()
+            reference.requires_grad_(False)
+            self._reference = [reference]
+        self.policy_model.train()  # HF loads in eval mode; Lightning expects train mode while fitting
+        if self.value_model is not None:
+            self.value_model.train()
+        if hp.gradient_checkpointing:
+            self.policy_model.gradient_checkpointing_enable()
+            if self.value_model is not None:
+                self.value_model.gradient_checkpointing_enable()
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a batch is a list of profiles: plain data that never goes to a device
+
+    def setup(self, stage: str) -> None:
+        self.configure_model()
+        for reference in self._reference:
+            reference.to(self.device)
+        policy = Policy(
+            model=self.policy_model,
+            tokenizer=self.tokenizer,
+            path=str(self.hparams.policy),
+            name=str(self.hparams.policy),
+        )
+        engine = get_registry().build(
+            "engines", self.component_specs["engine"], flag="--model.engine", policy=policy
+        )
+        self.runner = RolloutRunner(
+            policy,
+            engine,
+            self.simulator,
+            self.prompt_format,
+            self.rollout_settings,
+            components=dict(self.component_specs),
+        )
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        total_steps = max(int(self.trainer.max_steps if self.trainer.max_steps > 0 else 1000), 1)
+        optimizers = [
+            torch.optim.AdamW(self.policy_model.parameters(), lr=hp.actor_lr, weight_decay=hp.weight_decay)
+        ]
+        ratios = [hp.actor_warmup_ratio]
+        if self.value_model is not None:
+            optimizers.append(
+                torch.optim.AdamW(
+                    self.value_model.parameters(), lr=hp.critic_lr, weight_decay=hp.weight_decay
+                )
+            )
+            ratios.append(hp.critic_warmup_ratio)
+        schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then_constant(round(ratio * total_steps)))
+            for optimizer, ratio in zip(optimizers, ratios, strict=True)
+        ]
+        return optimizers, schedulers
+
+    # ------------------------------------------------------------------ the algorithm
+    def training_step(self, batch: list[Profile], batch_idx: int) -> None:
+        step = self.global_step
+        step_started = time.perf_counter()
+
+        # 1. a batch of profiles; each repeated group_size times as a group sharing persona and opening
+        dialogues = [profile for profile in batch for _ in range(self.hparams.group_size)]
+        group_ids = torch.tensor([i // self.hparams.group_size for i in range(len(dialogues))])
+
+        # 2. roll out the dialogues with the engine plugin
+        rollout_started = time.perf_counter()
+        with self._generation_weights():
+            trajectories = self.runner.run(dialogues, seed=self._rollout_seed(step))
+        rollout_seconds = time.perf_counter() - rollout_started
+        get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
+        self._append_transcripts("train", trajectories, step)
+        usable = [
+            i for i, t in enumerate(trajectories) if t.termination != "simulator_error" and t.num_turns > 0
+        ]
+        metrics = self._rollout_metrics(trajectories, prefix="rollout")
+        metrics["rollout/simulator_errors"] = float(len(trajectories) - len(usable))
+        if not usable:
+            self._log_metrics(metrics)
+            return
+        kept = [trajectories[i] for i in usable]
+        group_ids = group_ids[usable]
+
+        # 3. score the dialogues with the reward plugins (weighted sum)
+        dialogue_rewards = self._score(kept, metrics)
+
+        # 4. old log-probs from the sampled ids, reference log-probs and values
+        update_started = time.perf_counter()
+        rollout_batch = build_batch(kept, pad_id=self.tokenizer.pad_token_id).to(self.device)
+        old_logprobs, ref_logprobs, old_values = self._score_tokens(rollout_batch)
+        mask = rollout_batch.loss_mask
+        gap = ((old_logprobs - rollout_batch.engine_logprobs).abs() * mask).max()
+        metrics["rollout/logprob_gap"] = gap.item()
+
+        # 5. advantages on per-dialogue timelines
+        timeline_mask = rollout_batch.timeline_mask
+        token_rewards = terminal_rewards(dialogue_rewards.to(self.device), timeline_mask)
+        if ref_logprobs is not None:
+            kl = kl_estimate(old_logprobs, ref_logprobs, self.ppo.kl_estimator)
+            metrics["ppo/kl"] = masked_mean(kl, mask).item()
+            if self.ppo.kl_mode == "in-reward":
+                token_rewards = token_rewards - self.ppo.kl_coef * rollout_batch.to_timeline(kl)
+        result = self.advantage_estimator(
+            AdvantageBatch(
+                token_rewards=token_rewards,
+                values=rollout_batch.to_timeline(old_values) if old_values is not None else None,
+                mask=timeline_mask,
+                group_ids=group_ids.to(self.device),
+            )
+        )
+        advantages = rollout_batch.to_sequences(result.advantages)
+        returns = rollout_batch.to_sequences(result.returns) if result.returns is not None else None
+        metrics.update(result.metrics)
+        metrics["advantage/mean"] = masked_mean(advantages, mask).item()
+        metrics["advantage/abs_mean"] = masked_mean(advantages.abs(), mask).item()
+        if returns is not None and old_values is not None:
+            metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask).item()
+
+        # 6. PPO epochs over minibatches
+        metrics.update(
+            self._update(rollout_batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step)
+        )
+        update_seconds = time.perf_counter() - update_started
+
+        # 7. log
+        trained_tokens = int(mask.sum().item()) * self.ppo.ppo_epochs
+        sampled_tokens = sum(len(t.response_ids) for tr in trajectories for t in tr.policy_turns)
+        metrics.update(
+            {
+                "perf/rollout_seconds": rollout_seconds,
+                "perf/generate_seconds": self.runner.timings["generate"],
+                "perf/simulator_seconds": self.runner.timings["simulator"],
+                "perf/update_seconds": update_seconds,
+                "perf/step_seconds": time.perf_counter() - step_started,
+                "perf/rollout_tokens_per_second": sampled_tokens / max(rollout_seconds, 1e-9),
+                "perf/update_tokens_per_second": trained_tokens / max(update_seconds, 1e-9),
+            }
+        )
+        self._log_metrics(metrics)
+        get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
+        self._log_samples(trajectories, step)
+
+    def _score(self, trajectories: Sequence[Trajectory], metrics: dict[str, float]) -> torch.Tensor:
+        total = torch.zeros(len(trajectories))
+        for name, weight, function in self.reward_functions:
+            scores = torch.tensor(function(trajectories), dtype=torch.float32)
+            if scores.shape != total.shape or not torch.isfinite(scores).all():
+                raise ValueError(
+                    f"reward {name!r} returned {scores.tolist()} for {len(trajectories)} dialogues"
+                )
+            metrics[f"reward/{name}"] = scores.mean().item()
+            total += weight * scores
+        metrics["reward/total"] = total.mean().item()
+        return total
+
+    @torch.no_grad()
+    def _score_tokens(
+        self, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Old log-probs (current policy), reference log-probs and old values, in micro-batches."""
+        temperature = self.rollout_settings.temperature or 1.0
+        old, ref, values = [], [], []
+        for rows in self._micro_batches(range(batch.num_sequences)):
+            ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
+            old.append(
+                token_logprobs(
+                    self.policy_model(input_ids=ids, attention_mask=attention).logits, ids, temperature
+                )
+            )
+            if self._reference:
+                logits = self._reference[0](input_ids=ids, attention_mask=attention).logits
+                ref.append(token_logprobs(logits, ids, temperature))
+            if self.value_model is not None:
+                values.append(self.value_model(ids, attention))
+        mask = batch.loss_mask.float()
+        return (
+            torch.cat(old) * mask,
+            torch.cat(ref) * mask if ref else None,
+            torch.cat(values) * mask if values else None,
+        )
+
+    def _update(
+        self,
+        batch: RolloutBatch,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor,
+        old_values: torch.Tensor | None,
+        returns: torch.Tensor | None,
+        step: int,
+    ) -> dict[str, float]:
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        schedulers = self.lr_schedulers()
+        schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
+        actor_optimizer = optimizers[0]
+        critic_optimizer = optimizers[1] if len(optimizers) > 1 else None
+        settings = self.ppo
+        temperature = self.rollout_settings.temperature or 1.0
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def record(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+
+        count = batch.num_sequences
+        minibatch = settings.minibatch_size or count
+        generator = torch.Generator().manual_seed(step)
+        minibatches = []
+        for _ in range(settings.ppo_epochs):  # a fresh shuffle per epoch, cut into minibatches
+            order = torch.randperm(count, generator=generator).tolist()
+            minibatches.extend(order[start : start + minibatch] for start in range(0, count, minibatch))
+        for number, rows in enumerate(minibatches):
+            last = number == len(minibatches) - 1
+            tokens_in_minibatch = batch.loss_mask[rows].sum().clamp(min=1)
+            actor_optimizer.zero_grad()
+            if critic_optimizer is not None:
+                critic_optimizer.zero_grad()
+            for micro in self._micro_batches(rows):
+                ids, attention, mask = (
+                    batch.input_ids[micro],
+                    batch.attention_mask[micro],
+                    batch.loss_mask[micro],
+                )
+                # Micro-batch losses are weighted so their sum equals the minibatch's aggregated loss.
+                weight = (
+                    mask.sum() / tokens_in_minibatch
+                    if settings.loss_aggregation == "token-mean"
+                    else torch.tensor(len(micro) / len(rows))
+                )
+                logits = self.policy_model(input_ids=ids, attention_mask=attention).logits
+                logprobs = token_logprobs(logits, ids, temperature)
+                policy_loss, stats = clipped_policy_loss(
+                    logprobs,
+                    old_logprobs[micro],
+                    advantages[micro],
+                    mask,
+                    settings.clip_ratio,
+                    settings.loss_aggregation,
+                )
+                # Entropy only where the policy acted: logits at t - 1 produce token t.
+                acting = mask[:, 1:].bool()
+                entropy = (
+                    entropy_from_logits(logits[:, :-1][acting]).mean() if acting.any() else logits.sum() * 0
+                )
+                loss = policy_loss - settings.entropy_coef * entropy
+                if ref_logprobs is not None and settings.kl_mode == "in-loss":
+                    kl = masked_mean(kl_estimate(logprobs, ref_logprobs[micro], settings.kl_estimator), mask)
+                    loss = loss + settings.kl_coef * kl
+                self.manual_backward(loss * weight)
+                record("ppo/policy_loss", policy_loss.item())
+                record("ppo/entropy", entropy.item())
+                record("ppo/clip_fraction", stats["clip_fraction"].item())
+                record("ppo/approx_kl", stats["approx_kl"].item())
+                if self.value_model is not None and returns is not None and old_values is not None:
+                    values = self.value_model(ids, attention)
+                    value_loss, value_stats = clipped_value_loss(
+                        values,
+                        old_values[micro],
+                        returns[micro],
+                        mask,
+                        settings.value_clip,
+                        settings.loss_aggregation,
+                    )
+                    self.manual_backward(value_loss * weight)
+                    record("ppo/value_loss", value_loss.item())
+                    record("ppo/value_clip_fraction", value_stats["value_clip_fraction"].item())
+            record("ppo/grad_norm", self._clip(self.policy_model))
+            self._step(actor_optimizer, counts_as_global_step=last)
+            if critic_optimizer is not None:
+                record("ppo/critic_grad_norm", self._clip(self.value_model))
+                self._step(critic_optimizer, counts_as_global_step=False)
+        for scheduler in schedulers:
+            scheduler.step()
+        metrics = {name: sums[name] / counts[name] for name in sums}
+        metrics["ppo/actor_lr"] = actor_optimizer.param_groups[0]["lr"]
+        if critic_optimizer is not None:
+            metrics["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
+        metrics["ppo/minibatches"] = float(len(minibatches))
+        return metrics
+
+    def _micro_batches(self, rows: Sequence[int] | range) -> Iterator[list[int]]:
+        rows = list(rows)
+        size = self.ppo.micro_batch_size
+        for start in range(0, len(rows), size):
+            yield rows[start : start + size]
+
+    def _clip(self, module: torch.nn.Module) -> float:
+        parameters = [p for p in module.parameters() if p.grad is not None]
+        if not parameters:
+            return 0.0
+        max_norm = self.ppo.grad_clip if self.ppo.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+
+    def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:
+        if counts_as_global_step:
+            optimizer.step()
+        else:
+            # Same strategy/precision path, but Lightning's step counter is left alone.
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, lambda: None)
+
+    # ------------------------------------------------------------------ rollouts and logging
+    def _rollout_seed(self, step: int) -> int:
+        base = self.rollout_settings.seed
+        return base + 1_000_003 * step + 7919 * self.global_rank
+
+    @contextlib.contextmanager
+    def _generation_weights(self) -> Iterator[None]:
+        """Generation must see full weights: under FSDP, gather them for the rollout."""
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(strategy.model, writeback=False, recurse=True):
+                yield
+        else:
+            yield
+
+    def _rollout_metrics(self, trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+        summary = summarize(trajectories)
+        count = max(len(trajectories), 1)
+        turns = [t for tr in trajectories for t in tr.policy_turns]
+        return {
+            f"{prefix}/final_emotion": summary["mean_final_emotion"],
+            f"{prefix}/success_rate": summary["success"] / count,
+            f"{prefix}/failure_rate": summary["failure"] / count,
+            f"{prefix}/turns": summary["mean_turns"],
+            f"{prefix}/reply_tokens": sum(len(t.response_ids) for t in turns) / max(len(turns), 1),
+            f"{prefix}/format_violation_rate": summary["format_violations"] / max(len(turns), 1),
+            f"{prefix}/truncated_rate": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
+        }
+
+    def _log_metrics(self, metrics: Mapping[str, float], **kwargs: Any) -> None:
+        finite = {
+            k: float(v) for k, v in metrics.items() if v == v
+        }  # drop NaN (e.g. explained variance of constants)
+        show = {"rollout/final_emotion", "reward/total", "val/final_emotion"}
+        for name, value in finite.items():
+            self.log(name, value, prog_bar=name in show, sync_dist=True, batch_size=1, **kwargs)
+
+    def _log_dir(self) -> Path | None:
+        if self._trainer is None:
+            return None
+        directory = self.trainer.log_dir or self.trainer.default_root_dir
+        return Path(directory) if directory else None
+
+    def _append_transcripts(self, split: str, trajectories: Sequence[Trajectory], step: int) -> None:
+        directory = self._log_dir()
+        if directory is None:
+            return
+        folder = directory / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / f"{split}_rank{self.global_rank}.jsonl").open("a", encoding="utf-8") as handle:
+            for trajectory in trajectories:
+                handle.write(json.dumps({"step": step, **trajectory.to_record()}, ensure_ascii=False) + "\n")
+
+    def _log_samples(self, trajectories: Sequence[Trajectory], step: int) -> None:
+        every = self.hparams.log_samples_every_n_steps
+        if not every or step % every or self.global_rank != 0 or self.logger is None:
+            return
+        experiment = getattr(self.logger, "experiment", None)
+        if not hasattr(experiment, "add_text"):
+            return
+        for index, trajectory in enumerate(trajectories[:2]):
+            experiment.add_text(f"samples/dialogue_{index}", _dialogue_markdown(trajectory), global_step=step)
+        experiment.add_figure("rollout/emotion_trajectories", _emotion_figure(trajectories), global_step=step)
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: list[Profile], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "val")
+
+    def test_step(self, batch: list[Profile], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "test")
+
+    def _evaluate(self, batch: list[Profile], batch_idx: int, split: str) -> None:
+        settings = self.rollout_settings
+        eval_settings = RolloutSettings(
+            settings.max_turns,
+            settings.max_new_tokens,
+            self.hparams.eval_temperature,
+            settings.top_p,
+            settings.max_context_tokens,
+            settings.seed,
+        )
+        previous, self.runner.settings = self.runner.settings, eval_settings
+        try:
+            with self._generation_weights():
+                trajectories = self.runner.run(
+                    batch, seed=settings.seed + 7919 * self.global_rank + batch_idx
+                )
+        finally:
+            self.runner.settings = previous
+        self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
+        metrics = self._rollout_metrics(trajectories, prefix=split)
+        metrics[f"{split}/reward"] = self._score(trajectories, {}).mean().item()
+        self._log_metrics(metrics, on_epoch=True, on_step=False)
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["rlver_rng"] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.configure_model()  # weights are loaded into the networks right after this hook
+        state = checkpoint.get("rlver_rng")
+        if state:
+            torch.set_rng_state(state["torch"])
+            random.setstate(state["python"])
+            np.random.set_state(state["numpy"])
+
+
+def _warmup_then_constant(warmup_steps: int):
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return factor
+
+
+def _dialogue_markdown(trajectory: Trajectory) -> str:
+    record = trajectory.to_record()
+    lines = [
+        f"**{record['profile_id']}** ({record['theme']}, {record['personality']}): "
+        f"{record['start_emotion']:.0f} -> {record['final_emotion']:.0f}, {record['termination']}",
+        "",
+    ]
+    for turn in record["turns"]:
+        if turn["role"] == "user":
+            lines.append(f"- **user** [{turn['emotion']:.0f}]: {turn['text']}")
+        else:
+            lines.append(f"- **assistant**: {turn['text']}")
+    return "\n".join(lines)
+
+
+def _emotion_figure(trajectories: Sequence[Trajectory]):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(5, 3))
+    for trajectory in trajectories:
+        axes.plot(range(len(trajectory.emotions)), trajectory.emotions, alpha=0.5)
+    axes.set_xlabel("turn")
+    axes.set_ylabel("emotion")
+    axes.set_ylim(0, 100)
+    figure.tight_layout()
+    return figure

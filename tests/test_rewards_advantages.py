@@ -1,0 +1,85 @@
+"""The built-in reward and advantage plugins (rlver_register_rewards, rlver_register_advantages)."""
+
+import pytest
+import torch
+from rlver_plugins.advantages import GAEEstimator, GRPOEstimator
+from rlver_plugins.rewards import EmotionGainReward, FinalEmotionReward, FormatReward
+
+from rlver.interfaces import AdvantageBatch, ParsedReply
+from rlver.plugins import get_registry
+from rlver.rollout import PolicyTurn, Trajectory
+from rlver.types import Profile, UserTurn
+
+PROFILE = Profile("p", "player", "scene", "passive", ("a",), "You want deep empathy.")
+
+
+def trajectory(emotions, malformed=0):
+    t = Trajectory(PROFILE, 0, "system")
+    t.user_turns = [UserTurn("u", e) for e in emotions]
+    for index in range(len(emotions) - 1):
+        parsed = ParsedReply(
+            "r", format_ok=index >= malformed, format_error=None if index >= malformed else "missing"
+        )
+        t.policy_turns.append(PolicyTurn([1], [2], [-0.1], "stop", "r", parsed))
+    return t
+
+
+def test_builtins_register_through_the_hooks():
+    registry = get_registry()
+    assert registry.names("rewards") == ["emotion_gain", "final_emotion", "format"]
+    assert registry.names("advantages") == ["gae", "grpo"]
+    assert registry.get("rewards", "format").plugin == "rewards"  # via rlver_register_rewards
+    assert registry.get("advantages", "gae").plugin == "advantages"  # via rlver_register_advantages
+
+
+def test_final_emotion_reward_is_final_over_100_floored_at_0():
+    assert FinalEmotionReward()([trajectory([40, 50, 100]), trajectory([40, 0]), trajectory([40, 63])]) == [
+        1.0,
+        0.0,
+        0.63,
+    ]
+
+
+def test_format_reward_penalises_the_malformed_fraction():
+    rewards = FormatReward(penalty=1.0, bonus=0.2)(
+        [trajectory([40, 50, 60, 70, 80], malformed=1), trajectory([40, 50])]
+    )
+    assert rewards == pytest.approx([-0.25, 0.2])
+    with pytest.raises(ValueError):
+        FormatReward(penalty=-1)
+
+
+def test_emotion_gain_is_relative_to_the_difficulty_start():
+    reward = EmotionGainReward()
+    # hard starts at 30, easy at 50: reaching 100 scores 1 either way; halfway scores 0.5
+    assert reward(
+        [trajectory([30, 100]), trajectory([50, 100]), trajectory([30, 65]), trajectory([40, 20])]
+    ) == (pytest.approx([1.0, 1.0, 0.5, -0.5]))
+
+
+def test_gae_estimator_matches_the_maths_and_whitens():
+    batch = AdvantageBatch(
+        token_rewards=torch.tensor([[0.0, 0.0, 1.0]]),
+        values=torch.tensor([[0.5, 0.6, 0.7]]),
+        mask=torch.tensor([[1, 1, 1]]),
+        group_ids=torch.tensor([0]),
+    )
+    raw = GAEEstimator(whiten=False)(batch)
+    assert raw.advantages.tolist()[0] == pytest.approx([0.5, 0.4, 0.3])
+    assert raw.returns.tolist()[0] == pytest.approx([1.0, 1.0, 1.0])
+    whitened = GAEEstimator()(batch).advantages
+    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="needs critic values"):
+        GAEEstimator()(AdvantageBatch(batch.token_rewards, None, batch.mask, batch.group_ids))
+    assert GAEEstimator.requires_critic and not GRPOEstimator.requires_critic
+
+
+def test_grpo_estimator_broadcasts_group_advantages_and_counts_degenerate_groups():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]])
+    rewards = torch.tensor([[0, 0.2, 0], [0.6, 0, 0], [0, 0, 0.5], [0, 0, 0.5]])
+    result = GRPOEstimator()(AdvantageBatch(rewards, None, mask, torch.tensor([0, 0, 1, 1])))
+    expected = 0.2 / (0.2828427 + 1e-6)  # (0.2 - 0.4) / sample std of [0.2, 0.6]
+    assert result.advantages[0].tolist() == pytest.approx([-expected, -expected, 0.0], rel=1e-5)
+    assert result.advantages[1].tolist() == pytest.approx([expected, 0.0, 0.0], rel=1e-5)
+    assert result.advantages[2:].abs().sum().item() == 0.0
+    assert result.metrics == {"advantage/degenerate_groups": 1.0, "advantage/degenerate_group_fraction": 0.5}
