@@ -18,6 +18,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from rlver import __version__
 from rlver.data.datamodule import ProfileDataModule
 from rlver.models import ModelError
+from rlver.module import RLVERModule
 from rlver.plugins import PluginError, Registry, get_registry
 from rlver.rollout import RolloutRunner, RolloutSettings, summarize
 from rlver.transcripts import TranscriptWriter
@@ -28,39 +29,9 @@ ComponentSpec = str | dict[str, Any]
 _TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything")
 
 
-def add_component_arguments(parser: ArgumentParser, prefix: str = "model") -> None:
-    """The options shared by every command that runs dialogues (under `model.`)."""
-    parser.add_argument(
-        f"--{prefix}.policy",
-        type=str,
-        default="smollm2-135m-instruct",
-        help="Policy model: smollm2-135m-instruct (embedded), a local HF folder, or a hub id.",
-    )
-    parser.add_argument(
-        f"--{prefix}.dtype", type=str, default="float32", help="float32, bfloat16 or float16."
-    )
-    parser.add_argument(
-        f"--{prefix}.engine",
-        type=ComponentSpec,
-        default="hf",
-        help='Rollout engine: a name or {"name": ..., <options>}.',
-    )
-    parser.add_argument(
-        f"--{prefix}.simulator",
-        type=ComponentSpec,
-        default="embedded",
-        help='User simulator: a name or {"name": ..., <options>}.',
-    )
-    parser.add_argument(
-        f"--{prefix}.prompt_format",
-        type=ComponentSpec,
-        default="nothink",
-        help='Prompt format: a name (think, nothink) or {"name": ..., <options>}.',
-    )
-    parser.add_dataclass_arguments(RolloutSettings, f"{prefix}.rollout", default=RolloutSettings())
-
-
-def build_runner(model_cfg: Namespace, registry: Registry, device: str) -> RolloutRunner:
+def build_runner(
+    model_cfg: Namespace, registry: Registry, device: str, ckpt: str | None = None
+) -> RolloutRunner:
     """Build every component, the cheap ones first so a config error surfaces before the model loads."""
     from rlver.models import load_policy
 
@@ -74,9 +45,13 @@ def build_runner(model_cfg: Namespace, registry: Registry, device: str) -> Rollo
         except ValueError as error:
             raise ValueError(f"--model.rollout: {error}") from None
     policy = load_policy(model_cfg.policy, dtype=model_cfg.dtype, device=device)
+    if ckpt is not None:
+        from rlver.export import load_policy_weights
+
+        load_policy_weights(policy.model, ckpt)
     engine = registry.build("engines", _plain(model_cfg.engine), flag="--model.engine", policy=policy)
     components = {
-        "model": model_cfg.policy,
+        "model": model_cfg.policy if ckpt is None else f"{model_cfg.policy}@{ckpt}",
         "engine": _plain(model_cfg.engine),
         "simulator": _plain(model_cfg.simulator),
         "prompt_format": _plain(model_cfg.prompt_format),
@@ -129,7 +104,14 @@ def rollout_parser() -> ArgumentParser:
     parser.add_argument("--limit", type=int, default=0, help="Only the first N profiles (0: all).")
     parser.add_argument("--repeat", type=int, default=1, help="Dialogues per profile (a group, as in GRPO).")
     parser.add_argument("--device", type=str, default="auto", help="cpu, cuda, or auto.")
-    add_component_arguments(parser)
+    parser.add_argument(
+        "--ckpt",
+        type=str | None,
+        default=None,
+        help="Talk with the policy of an `rlver fit` checkpoint instead of --model.policy's weights.",
+    )
+    # The same model and data sections as `rlver fit`, so one recipe serves both commands.
+    parser.add_class_arguments(RLVERModule, "model")
     parser.add_class_arguments(ProfileDataModule, "data")
     for section in _TRAINING_SECTIONS:
         parser.add_argument(
@@ -152,7 +134,7 @@ def rollout_command(argv: Sequence[str]) -> int:
     profiles = data.profiles(cfg.split)
     if cfg.limit:
         profiles = profiles[: cfg.limit]
-    runner = build_runner(cfg.model, registry, _resolve_device(cfg.device))
+    runner = build_runner(cfg.model, registry, _resolve_device(cfg.device), ckpt=cfg.ckpt)
     dialogues = [p for p in profiles for _ in range(cfg.repeat)]
     batch_size = data.batch_size
     trajectories = []
@@ -206,18 +188,21 @@ def export_command(argv: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------- fit / validate / test
-def lightning_command(argv: Sequence[str]) -> int:
+def _lightning_cli_class() -> type:
     from lightning.pytorch.cli import LightningCLI
 
-    from rlver.module import RLVERModule
-
-    get_registry()  # plugins first: their names and options must be known to the parser
-
     class RLVERCLI(LightningCLI):
+        """LightningCLI over RLVERModule and ProfileDataModule with rlver's defaults."""
+
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.num_sanity_val_steps": 0, "trainer.max_steps": 1000})
 
-    RLVERCLI(
+    return RLVERCLI
+
+
+def lightning_command(argv: Sequence[str]) -> int:
+    get_registry()  # plugins first: their names and options must be known to the parser
+    _lightning_cli_class()(
         RLVERModule,
         ProfileDataModule,
         # From the console script argv *is* sys.argv[1:]; passing it again only makes Lightning warn.
@@ -226,6 +211,24 @@ def lightning_command(argv: Sequence[str]) -> int:
         parser_kwargs={"prog": "rlver"},
     )
     return 0
+
+
+def parse_recipe(path: str) -> Namespace:
+    """Parse and type-check a recipe as `rlver fit` does, without building anything."""
+    base = _lightning_cli_class()
+
+    class ParseOnly(base):  # type: ignore[misc, valid-type]
+        def instantiate_classes(self) -> None:
+            pass
+
+    cli = ParseOnly(
+        RLVERModule,
+        ProfileDataModule,
+        args=["--config", path],
+        run=False,
+        parser_kwargs={"prog": "rlver", "exit_on_error": False},
+    )
+    return cli.config
 
 
 # --------------------------------------------------------------------------- entry point

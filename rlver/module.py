@@ -486,30 +486,20 @@ class RLVERModule(L.LightningModule):
                     if settings.loss_aggregation == "token-mean"
                     else torch.tensor(len(micro) / len(rows))
                 )
-                logits = self.policy_model(input_ids=ids, attention_mask=attention).logits
-                logprobs = token_logprobs(logits, ids, temperature)
-                policy_loss, stats = clipped_policy_loss(
-                    logprobs,
+                loss, stats = actor_loss(
+                    self.policy_model,
+                    ids,
+                    attention,
+                    mask,
                     old_logprobs[micro],
                     advantages[micro],
-                    mask,
-                    settings.clip_ratio,
-                    settings.loss_aggregation,
+                    None if ref_logprobs is None else ref_logprobs[micro],
+                    settings,
+                    temperature,
                 )
-                # Entropy only where the policy acted: logits at t - 1 produce token t.
-                acting = mask[:, 1:].bool()
-                entropy = (
-                    entropy_from_logits(logits[:, :-1][acting]).mean() if acting.any() else logits.sum() * 0
-                )
-                loss = policy_loss - settings.entropy_coef * entropy
-                if ref_logprobs is not None and settings.kl_mode == "in-loss":
-                    kl = masked_mean(kl_estimate(logprobs, ref_logprobs[micro], settings.kl_estimator), mask)
-                    loss = loss + settings.kl_coef * kl
                 self.manual_backward(loss * weight)
-                record("ppo/policy_loss", policy_loss.item())
-                record("ppo/entropy", entropy.item())
-                record("ppo/clip_fraction", stats["clip_fraction"].item())
-                record("ppo/approx_kl", stats["approx_kl"].item())
+                for name, value in stats.items():
+                    record(f"ppo/{name}", value)
                 if self.value_model is not None and returns is not None and old_values is not None:
                     values = self.value_model(ids, attention)
                     value_loss, value_stats = clipped_value_loss(
@@ -655,10 +645,12 @@ class RLVERModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Plain lists and tensors only, so the checkpoint loads with torch.load(weights_only=True).
+        name, keys, position, has_gauss, cached = np.random.get_state()
         checkpoint["rlver_rng"] = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached)],
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -667,7 +659,42 @@ class RLVERModule(L.LightningModule):
         if state:
             torch.set_rng_state(state["torch"])
             random.setstate(state["python"])
-            np.random.set_state(state["numpy"])
+            name, keys, position, has_gauss, cached = state["numpy"]
+            np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
+def actor_loss(
+    policy_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    settings: PPOSettings,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy's loss on one micro-batch: clipped surrogate - entropy bonus (+ KL in the loss)."""
+    logits = policy_model(input_ids=input_ids, attention_mask=attention_mask).logits
+    logprobs = token_logprobs(logits, input_ids, temperature)
+    policy_loss, stats = clipped_policy_loss(
+        logprobs, old_logprobs, advantages, mask, settings.clip_ratio, settings.loss_aggregation
+    )
+    # Entropy only where the policy acted: logits at t - 1 produce token t.
+    acting = mask[:, 1:].bool()
+    entropy = entropy_from_logits(logits[:, :-1][acting]).mean() if acting.any() else logits.sum() * 0
+    loss = policy_loss - settings.entropy_coef * entropy
+    metrics = {
+        "policy_loss": policy_loss.item(),
+        "entropy": entropy.item(),
+        "clip_fraction": stats["clip_fraction"].item(),
+        "approx_kl": stats["approx_kl"].item(),
+    }
+    if ref_logprobs is not None and settings.kl_mode == "in-loss":
+        kl = masked_mean(kl_estimate(logprobs, ref_logprobs, settings.kl_estimator), mask)
+        loss = loss + settings.kl_coef * kl
+        metrics["kl_loss"] = kl.item()
+    return loss, metrics
 
 
 def _warmup_then_constant(warmup_steps: int):

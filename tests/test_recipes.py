@@ -1,0 +1,78 @@
+"""Every shipped recipe parses and validates as `rlver fit` reads it, without loading a model."""
+
+from pathlib import Path
+
+import pytest
+
+from rlver.cli import parse_recipe
+from rlver.data.datamodule import ProfileDataModule
+from rlver.module import PPOSettings
+from rlver.plugins import get_registry, split_spec
+from rlver.rollout import RolloutSettings
+from tests.conftest import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+# Components named by the paper recipes that the next releases deliver (see README "Status").
+PLANNED = {"engines": {"vllm"}, "simulators": {"sage"}}
+
+
+def test_the_paper_recipes_are_all_there():
+    names = {path.stem for path in RECIPES}
+    assert {"quickstart", "ppo_think", "ppo_nothink", "grpo_think", "grpo_nothink"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_parses_and_validates(recipe: Path):
+    config = parse_recipe(str(recipe))
+    model = config.model
+    RolloutSettings(**model.rollout.as_dict() if hasattr(model.rollout, "as_dict") else vars(model.rollout))
+    PPOSettings(**model.ppo.as_dict() if hasattr(model.ppo, "as_dict") else vars(model.ppo))
+    registry = get_registry()
+    for kind, spec in [
+        ("engines", model.engine),
+        ("simulators", model.simulator),
+        ("formats", model.prompt_format),
+        ("advantages", model.advantage),
+        *[("rewards", reward) for reward in model.rewards],
+    ]:
+        plain = spec.as_dict() if hasattr(spec, "as_dict") else spec
+        name, _ = split_spec(plain, flag=kind)
+        if name in PLANNED.get(kind, set()):
+            continue
+        options = {k: v for k, v in (plain.items() if isinstance(plain, dict) else []) if k != "weight"}
+        registry.check(
+            kind,
+            {**options, "name": name},
+            flag=f"{recipe.name}: model.{kind}",
+            context={"policy"} if kind == "engines" else set(),
+        )
+    if split_spec(model.advantage, flag="advantage")[0] == "grpo":
+        assert model.group_size >= 2
+    ProfileDataModule(**{k: v for k, v in vars(config.data).items()})
+
+
+def test_paper_recipes_use_the_reference_hyperparameters():
+    for name in ("ppo_think", "ppo_nothink", "grpo_think", "grpo_nothink"):
+        model = parse_recipe(str(REPO / "recipes" / f"{name}.yaml")).model
+        assert model.policy == "Qwen/Qwen2.5-7B-Instruct"
+        assert model.ppo.clip_ratio == 0.2 and model.ppo.entropy_coef == 0.001 and model.ppo.kl_coef == 0.0
+        assert model.ppo.grad_clip == 1.0 and model.ppo.ppo_epochs == 1
+        assert model.actor_lr == 1e-6 and model.actor_warmup_ratio == 0.02 and model.weight_decay == 0.01
+        assert model.rollout.temperature == 1.0 and model.rollout.max_turns == 8
+        assert model.prompt_format["name"] == ("think" if "nothink" not in name else "nothink")
+        assert model.engine["name"] == "vllm" and model.simulator["name"] == "sage"
+        assert model.simulator["api_key_env"] == "RLVER_SIMULATOR_API_KEY"  # a variable name, never a key
+        if name.startswith("ppo"):
+            assert model.advantage == {"name": "gae", "gamma": 1.0, "lam": 1.0}
+            assert (
+                model.critic_lr == 5e-6 and model.critic_warmup_ratio == 0.05 and model.ppo.value_clip == 0.5
+            )
+        else:
+            assert model.advantage["name"] == "grpo" and model.group_size == 4
+
+
+def test_a_bad_recipe_value_is_one_error_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  group_size: many\n")
+    with pytest.raises(Exception, match="group_size"):
+        parse_recipe(str(bad))
