@@ -1,6 +1,6 @@
 """float32 versus bf16 autocast on CPU for generation and a training step (SmolLM2-135M).
 
-    .venv/bin/python benchmarks/cpu_precision.py
+.venv/bin/python benchmarks/cpu_precision.py
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 
 import torch
+from rlver_plugins.hf_engine import HFEngine
 
 from rlver.interfaces import SamplingSettings
 from rlver.models import load_policy
-from rlver_plugins.hf_engine import HFEngine
 
 
 def main() -> None:
@@ -20,13 +20,18 @@ def main() -> None:
     engine = HFEngine(policy, batch_size=16)
     chats = [
         [
-            {"role": "system", "content": "You are an intelligent chat partner who chats with users with high EQ."},
+            {
+                "role": "system",
+                "content": "You are an intelligent chat partner who chats with users with high EQ.",
+            },
             {"role": "user", "content": f"My boss yelled at me today in front of everyone ({i})."},
         ]
         for i in range(8)
     ]
     prompts = [
-        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
         for c in chats
     ]
     for autocast in (False, True):
@@ -50,7 +55,8 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            print(f"train step 8x300, bf16 autocast={autocast}, run {repeat}: {time.perf_counter() - started:.1f} s")
+            seconds = time.perf_counter() - started
+            print(f"train step 8x300, bf16 autocast={autocast}, run {repeat}: {seconds:.1f} s")
 
 
 if __name__ == "__main__":

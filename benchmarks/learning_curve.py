@@ -31,8 +31,20 @@ def run(command: list[str]) -> float:
 
 
 def evaluate(recipe: str, out: Path, ckpt: Path | None, turns: int | None) -> dict[str, float]:
-    command = [sys.executable, "-m", "rlver.cli", "rollout", "--config", recipe, "--out", str(out),
-               "--split", "test", "--model.rollout.temperature", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "rlver.cli",
+        "rollout",
+        "--config",
+        recipe,
+        "--out",
+        str(out),
+        "--split",
+        "test",
+        "--model.rollout.temperature",
+        "0",
+    ]
     if turns is not None:
         command += ["--model.rollout.max_turns", str(turns)]
     if ckpt is not None:
@@ -67,8 +79,10 @@ def plot(curve: list[tuple[int, float]], before: dict, after: dict, path: Path) 
     steps = [s for s, _ in curve]
     values = [v for _, v in curve]
     window = 5
-    smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-              for i in range(len(values))]
+    smooth = [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
     left.plot(steps, values, alpha=0.35, label="per step (8 sampled dialogues)")
     left.plot(steps, smooth, label=f"moving mean ({window})")
     left.set_xlabel("training step")
@@ -90,7 +104,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="recipes/quickstart.yaml")
     parser.add_argument("--run-dir", default="runs/quickstart", help="the recipe's default_root_dir")
-    parser.add_argument("--eval-turns", type=int, default=None, help="turns per evaluation dialogue (default: recipe)")
+    parser.add_argument(
+        "--eval-turns", type=int, default=None, help="turns per evaluation dialogue (default: recipe)"
+    )
     parser.add_argument("--skip-train", action="store_true", help="reuse the run dir's last checkpoint")
     parser.add_argument("--plot", default="docs/learning_curve.png")
     args = parser.parse_args()
@@ -115,8 +131,10 @@ def main() -> None:
     first, last = curve[: len(curve) // 4], curve[-(len(curve) // 4) :]
     if first and last:
         mean = lambda xs: sum(v for _, v in xs) / len(xs)  # noqa: E731
-        print(f"training reward, first quarter {mean(first):.2f} -> last quarter {mean(last):.2f} "
-              f"(mean final emotion of the sampled dialogues)")
+        print(
+            f"training reward, first quarter {mean(first):.2f} -> last quarter {mean(last):.2f} "
+            f"(mean final emotion of the sampled dialogues)"
+        )
     print(f"plot: {args.plot}")
 
 

@@ -19,53 +19,29 @@ from rlver import __version__
 from rlver.data.datamodule import ProfileDataModule
 from rlver.models import ModelError
 from rlver.module import RLVERModule
-from rlver.plugins import PluginError, Registry, get_registry
-from rlver.rollout import RolloutRunner, RolloutSettings, summarize
+from rlver.plugins import PluginError, get_registry, plain_config
+from rlver.rollout import RolloutRunner, summarize
 from rlver.transcripts import TranscriptWriter
-
-ComponentSpec = str | dict[str, Any]
 
 # Sections of a training config that `rlver rollout` reads past without using.
 _TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything")
 
 
-def build_runner(
-    model_cfg: Namespace, registry: Registry, device: str, ckpt: str | None = None
-) -> RolloutRunner:
-    """Build every component, the cheap ones first so a config error surfaces before the model loads."""
+def build_runner(model_cfg: Namespace, device: str, ckpt: str | None = None) -> RolloutRunner:
+    """The module's components (cheap: a config error surfaces here, before the model loads) over a policy."""
     from rlver.models import load_policy
 
-    simulator = registry.build("simulators", _plain(model_cfg.simulator), flag="--model.simulator")
-    prompt_format = registry.build("formats", _plain(model_cfg.prompt_format), flag="--model.prompt_format")
-    registry.check("engines", _plain(model_cfg.engine), flag="--model.engine", context={"policy"})
-    settings = model_cfg.rollout
-    if not isinstance(settings, RolloutSettings):
-        try:
-            settings = RolloutSettings(**_plain(settings))
-        except ValueError as error:
-            raise ValueError(f"--model.rollout: {error}") from None
-    policy = load_policy(model_cfg.policy, dtype=model_cfg.dtype, device=device)
+    options = plain_config(model_cfg)
+    module = RLVERModule(**options)
+    policy = load_policy(options["policy"], dtype=options["dtype"], device=device)
     if ckpt is not None:
         from rlver.export import load_policy_weights
 
         load_policy_weights(policy.model, ckpt)
-    engine = registry.build("engines", _plain(model_cfg.engine), flag="--model.engine", policy=policy)
-    components = {
-        "model": model_cfg.policy if ckpt is None else f"{model_cfg.policy}@{ckpt}",
-        "engine": _plain(model_cfg.engine),
-        "simulator": _plain(model_cfg.simulator),
-        "prompt_format": _plain(model_cfg.prompt_format),
-    }
-    return RolloutRunner(policy, engine, simulator, prompt_format, settings, components=components)
-
-
-def _plain(value: Any) -> Any:
-    """jsonargparse hands nested dicts back as Namespaces; plugins get plain data."""
-    if isinstance(value, Namespace):
-        return {k: _plain(v) for k, v in value.as_dict().items()}
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+        policy.name = f"{policy.name}@{ckpt}"
+    runner = module.rollout_runner(policy)
+    runner.components["model"] = policy.name
+    return runner
 
 
 def _resolve_device(device: str) -> str:
@@ -105,6 +81,9 @@ def rollout_parser() -> ArgumentParser:
     parser.add_argument("--repeat", type=int, default=1, help="Dialogues per profile (a group, as in GRPO).")
     parser.add_argument("--device", type=str, default="auto", help="cpu, cuda, or auto.")
     parser.add_argument(
+        "--batch_size", type=int, default=16, help="Dialogues run together (one engine call per turn)."
+    )
+    parser.add_argument(
         "--ckpt",
         type=str | None,
         default=None,
@@ -129,14 +108,16 @@ def rollout_command(argv: Sequence[str]) -> int:
         parser.error(f"--limit ({cfg.limit}) must be >= 0")
     if cfg.repeat < 1:
         parser.error(f"--repeat ({cfg.repeat}) must be >= 1")
+    if cfg.batch_size < 1:
+        parser.error(f"--batch_size ({cfg.batch_size}) must be >= 1")
     registry = get_registry()
     data = ProfileDataModule(**cfg.data.as_dict())
     profiles = data.profiles(cfg.split)
     if cfg.limit:
         profiles = profiles[: cfg.limit]
-    runner = build_runner(cfg.model, registry, _resolve_device(cfg.device), ckpt=cfg.ckpt)
+    runner = build_runner(cfg.model, _resolve_device(cfg.device), ckpt=cfg.ckpt)
     dialogues = [p for p in profiles for _ in range(cfg.repeat)]
-    batch_size = data.batch_size
+    batch_size = cfg.batch_size
     trajectories = []
     with TranscriptWriter(cfg.out) as writer, tqdm(total=len(dialogues), desc="dialogues", unit="dlg") as bar:
         for start in range(0, len(dialogues), batch_size):

@@ -26,7 +26,7 @@ from rlver.batch import RolloutBatch, build_batch, token_logprobs
 from rlver.critic import ValueModel
 from rlver.interfaces import AdvantageBatch
 from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
-from rlver.plugins import get_registry, split_spec
+from rlver.plugins import get_registry, plain_config, split_spec
 from rlver.rl.advantages import terminal_rewards
 from rlver.rl.losses import (
     AGGREGATIONS,
@@ -105,22 +105,11 @@ class PPOSettings:
                 raise ValueError(message)
 
 
-def _plain(value: Any) -> Any:
-    """Config values may arrive as jsonargparse Namespaces; components get plain data."""
-    if hasattr(value, "as_dict"):
-        return _plain(value.as_dict())
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _as_settings(cls: type, value: Any, flag: str) -> Any:
     if isinstance(value, cls):
         return value
     try:
-        return cls(**_plain(value))
+        return cls(**plain_config(value))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{flag}: {error}") from None
 
@@ -162,7 +151,7 @@ class RLVERModule(L.LightningModule):
         eval_temperature: float = 0.0,
         rewards: list[ComponentSpec] | None = None,
         advantage: ComponentSpec = "grpo",
-        group_size: int = 1,
+        group_size: int = 4,
         ppo: PPOSettings = PPOSettings(),
         actor_lr: float = 1e-6,
         critic_lr: float = 5e-6,
@@ -193,10 +182,10 @@ class RLVERModule(L.LightningModule):
         registry = get_registry()
         self.component_specs = {
             "model": policy,
-            "engine": _plain(engine),
-            "simulator": _plain(simulator),
-            "prompt_format": _plain(prompt_format),
-            "advantage": _plain(advantage),
+            "engine": plain_config(engine),
+            "simulator": plain_config(simulator),
+            "prompt_format": plain_config(prompt_format),
+            "advantage": plain_config(advantage),
         }
         self.simulator = registry.build(
             "simulators", self.component_specs["simulator"], flag="--model.simulator"
@@ -209,7 +198,7 @@ class RLVERModule(L.LightningModule):
             "advantages", self.component_specs["advantage"], flag="--model.advantage"
         )
         self.reward_functions = self._build_rewards(
-            registry, _plain(rewards) if rewards is not None else ["final_emotion"]
+            registry, plain_config(rewards) if rewards is not None else ["final_emotion"]
         )
         if getattr(self.advantage_estimator, "requires_critic", False) is False and critic is not None:
             raise ValueError("--model.critic is set but the advantage estimator trains no critic")
@@ -269,6 +258,20 @@ class RLVERModule(L.LightningModule):
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a batch is a list of profiles: plain data that never goes to a device
 
+    def rollout_runner(self, policy: Policy) -> RolloutRunner:
+        """A rollout runner over `policy` with this module's engine, simulator, format and settings."""
+        engine = get_registry().build(
+            "engines", self.component_specs["engine"], flag="--model.engine", policy=policy
+        )
+        return RolloutRunner(
+            policy,
+            engine,
+            self.simulator,
+            self.prompt_format,
+            self.rollout_settings,
+            components=dict(self.component_specs),
+        )
+
     def setup(self, stage: str) -> None:
         self.configure_model()
         for reference in self._reference:
@@ -279,17 +282,7 @@ class RLVERModule(L.LightningModule):
             path=str(self.hparams.policy),
             name=str(self.hparams.policy),
         )
-        engine = get_registry().build(
-            "engines", self.component_specs["engine"], flag="--model.engine", policy=policy
-        )
-        self.runner = RolloutRunner(
-            policy,
-            engine,
-            self.simulator,
-            self.prompt_format,
-            self.rollout_settings,
-            components=dict(self.component_specs),
-        )
+        self.runner = self.rollout_runner(policy)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -327,23 +320,30 @@ class RLVERModule(L.LightningModule):
         rollout_seconds = time.perf_counter() - rollout_started
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
         self._append_transcripts("train", trajectories, step)
-        usable = [
-            i for i, t in enumerate(trajectories) if t.termination != "simulator_error" and t.num_turns > 0
-        ]
         metrics = self._rollout_metrics(trajectories, prefix="rollout")
-        metrics["rollout/simulator_errors"] = float(len(trajectories) - len(usable))
-        if not usable:
+        # A dialogue the simulator failed on stays in the batch (every rank must run the same
+        # collectives) but is left out of the loss: its own group id keeps it out of GRPO's
+        # baselines, and its loss mask is zeroed below.
+        with_turns = [i for i, t in enumerate(trajectories) if t.num_turns > 0]
+        kept = [trajectories[i] for i in with_turns]
+        failed = torch.tensor([t.termination == "simulator_error" for t in kept], dtype=torch.bool)
+        metrics["rollout/simulator_errors"] = float(
+            sum(t.termination == "simulator_error" for t in trajectories)
+        )
+        if not kept:
             self._log_metrics(metrics)
             return
-        kept = [trajectories[i] for i in usable]
-        group_ids = group_ids[usable]
+        group_ids = group_ids[with_turns]
+        group_ids[failed] = -1 - torch.arange(int(failed.sum()))
 
         # 3. score the dialogues with the reward plugins (weighted sum)
         dialogue_rewards = self._score(kept, metrics)
 
         # 4. old log-probs from the sampled ids, reference log-probs and values
         update_started = time.perf_counter()
-        rollout_batch = build_batch(kept, pad_id=self.tokenizer.pad_token_id).to(self.device)
+        rollout_batch = build_batch(kept, pad_id=self.tokenizer.pad_token_id)
+        rollout_batch.loss_mask[failed[rollout_batch.sequence_dialogue]] = 0
+        rollout_batch = rollout_batch.to(self.device)
         old_logprobs, ref_logprobs, old_values = self._score_tokens(rollout_batch)
         mask = rollout_batch.loss_mask
         gap = ((old_logprobs - rollout_batch.engine_logprobs).abs() * mask).max()

@@ -166,6 +166,17 @@ class Registry:
         ]
 
 
+def plain_config(value: Any) -> Any:
+    """Config values may arrive as jsonargparse Namespaces; components get plain dicts and lists."""
+    if hasattr(value, "as_dict"):
+        return plain_config(value.as_dict())
+    if isinstance(value, Mapping):
+        return {k: plain_config(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain_config(v) for v in value]
+    return value
+
+
 def split_spec(spec: str | Mapping[str, Any], *, flag: str) -> tuple[str, dict[str, Any]]:
     if isinstance(spec, str):
         return spec, {}

@@ -125,6 +125,31 @@ def test_grpo_fit_two_steps_then_resume_from_last(tmp_path):
     ]
     assert steps == [0, 0, 1, 1, 2, 2]  # the resumed run continued at step 2
 
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlver.cli",
+            "rollout",
+            "--config",
+            str(config),
+            "--out",
+            str(tmp_path / "eval.jsonl"),
+            "--ckpt",
+            str(last),
+            "--limit",
+            "1",
+            "--model.rollout.temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (evaluated,) = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert evaluated["model"].endswith(f"@{last}")
+
     out = tmp_path / "exported"
     result = subprocess.run(
         [sys.executable, "-m", "rlver.cli", "export", "--ckpt", str(last), "--out", str(out)],
