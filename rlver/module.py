@@ -279,7 +279,7 @@ class RLVERModule(L.LightningModule):
         policy = Policy(
             model=self.policy_model,
             tokenizer=self.tokenizer,
-            path=str(self.hparams.policy),
+            path=resolve_model_path(self.hparams.policy),
             name=str(self.hparams.policy),
         )
         self.runner = self.rollout_runner(policy)
@@ -318,6 +318,9 @@ class RLVERModule(L.LightningModule):
         with self._generation_weights():
             trajectories = self.runner.run(dialogues, seed=self._rollout_seed(step))
         rollout_seconds = time.perf_counter() - rollout_started
+        release_memory = getattr(self.runner.engine, "release_memory", None)
+        if release_memory is not None:
+            release_memory()  # e.g. vLLM sleeps on GPUs so the update gets the memory
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
         self._append_transcripts("train", trajectories, step)
         metrics = self._rollout_metrics(trajectories, prefix="rollout")
@@ -377,7 +380,10 @@ class RLVERModule(L.LightningModule):
         metrics.update(
             self._update(rollout_batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step)
         )
-        update_seconds = time.perf_counter() - update_started
+        sync_started = time.perf_counter()
+        self.runner.engine.sync_weights()  # the next rollout samples from the updated policy
+        sync_seconds = time.perf_counter() - sync_started
+        update_seconds = time.perf_counter() - update_started - sync_seconds
 
         # 7. log
         trained_tokens = int(mask.sum().item()) * self.ppo.ppo_epochs
@@ -388,6 +394,7 @@ class RLVERModule(L.LightningModule):
                 "perf/generate_seconds": self.runner.timings["generate"],
                 "perf/simulator_seconds": self.runner.timings["simulator"],
                 "perf/update_seconds": update_seconds,
+                "perf/weight_sync_seconds": sync_seconds,
                 "perf/step_seconds": time.perf_counter() - step_started,
                 "perf/rollout_tokens_per_second": sampled_tokens / max(rollout_seconds, 1e-9),
                 "perf/update_tokens_per_second": trained_tokens / max(update_seconds, 1e-9),

@@ -18,6 +18,7 @@ BUILTINS = {
     "embedded_user": {"simulators": ["embedded"]},
     "formats": {"formats": ["think", "nothink"]},
     "hf_engine": {"engines": ["hf"]},
+    "vllm_engine": {"engines": ["vllm"]},
     "rewards": {"rewards": ["final_emotion", "format", "emotion_gain"]},
     "advantages": {"advantages": ["gae", "grpo"]},
 }

@@ -26,7 +26,7 @@ def read_scalars(folder):
     }
 
 
-def write_config(tmp_path, algorithm, max_steps):
+def write_config(tmp_path, algorithm, max_steps, engine="hf", precision="bf16-mixed"):
     root = tmp_path / "run"
     config = tmp_path / f"{algorithm}.yaml"
     advantage, group_size = ("grpo", 2) if algorithm == "grpo" else ("gae", 1)
@@ -36,7 +36,7 @@ def write_config(tmp_path, algorithm, max_steps):
         trainer:
           accelerator: cpu
           devices: 1
-          precision: bf16-mixed
+          precision: {precision}
           max_steps: {max_steps}
           limit_val_batches: 0
           log_every_n_steps: 1
@@ -49,6 +49,7 @@ def write_config(tmp_path, algorithm, max_steps):
             - class_path: lightning.pytorch.callbacks.ModelCheckpoint
               init_args: {{dirpath: {root}/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: 1}}
         model:
+          engine: {engine}
           advantage: {advantage}
           group_size: {group_size}
           rewards: [final_emotion, {{name: emotion_gain, weight: 0.5}}]
@@ -210,3 +211,14 @@ def test_one_update_moves_log_probs_in_the_advantage_direction(policy):
     finally:
         model.load_state_dict(original)
         model.zero_grad(set_to_none=True)
+
+
+def test_vllm_engine_follows_the_policy_through_updates(tmp_path):
+    """After every update the weights are pushed into vLLM: its log-probs keep matching the trainer's."""
+    engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 1}"
+    config, root = write_config(tmp_path, "grpo", max_steps=3, engine=engine, precision="32-true")
+    fit(config)
+    scalars = read_scalars(root / "tb")
+    gaps = [value for _, value in scalars["rollout/logprob_gap"]]
+    assert len(gaps) == 3 and max(gaps) < 1e-3, gaps  # steps 1 and 2 sample after an update
+    assert all(seconds > 0 for _, seconds in scalars["perf/weight_sync_seconds"])

@@ -1,0 +1,163 @@
+"""The shared engine contract, run against every engine plugin (`hf` and `vllm`) with the real SmolLM2.
+
+Exact sampled ids and log-probs, stop and per-turn limits, seeds, the rollout loop's masks, and
+(for engines that keep their own weights) weight sync.
+"""
+
+import pytest
+import torch
+from rlver_plugins.formats import NoThinkFormat
+from rlver_plugins.hf_engine import HFEngine
+
+from rlver.interfaces import SamplingSettings
+from rlver.rollout import RolloutRunner, RolloutSettings
+from tests.test_rollout import ScriptedSimulator, assert_masks_cover_exactly_the_sampled_ids, make_profile
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "I feel sad today.",
+    "My boss shouted at me in front of everyone.",
+    "hi",
+    "Nobody came to my birthday.",
+]
+# vLLM runs float32 here so its log-probs can be held to the same tolerance as transformers'.
+TOLERANCE = {"hf": 1e-4, "vllm": 1e-3}
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(policy):
+    from rlver_plugins.vllm_engine import VLLMEngine
+
+    return VLLMEngine(policy, dtype="float32", cpu_kv_cache_gib=1)
+
+
+@pytest.fixture(params=["hf", "vllm"])
+def engine(request, policy):
+    if request.param == "hf":
+        return HFEngine(policy, batch_size=4)
+    return request.getfixturevalue("vllm_engine")
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for c in CHATS
+    ]
+
+
+def engine_name(engine):
+    return "hf" if isinstance(engine, HFEngine) else "vllm"
+
+
+def teacher_forced_logprobs(policy, prompt, response, temperature):
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        logits = policy.model(ids).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_are_those_of_the_sampled_ids(engine, policy, prompts, temperature):
+    generations = engine.generate(
+        prompts, SamplingSettings(max_new_tokens=20, temperature=temperature, seed=11)
+    )
+    assert len(generations) == len(prompts)
+    for prompt, generation in zip(prompts, generations):
+        assert len(generation.token_ids) == len(generation.logprobs) > 0
+        expected = teacher_forced_logprobs(policy, prompt, generation.token_ids, temperature)
+        gap = (torch.tensor(generation.logprobs) - expected).abs().max().item()
+        assert gap < TOLERANCE[engine_name(engine)], gap
+
+
+def test_greedy_picks_the_argmax(engine, policy, prompts):
+    (generation,) = engine.generate(prompts[:1], SamplingSettings(max_new_tokens=8, temperature=0))
+    ids = torch.tensor([list(prompts[0]) + list(generation.token_ids)])
+    with torch.no_grad():
+        logits = policy.model(ids).logits[0, len(prompts[0]) - 1 : -1]
+    assert logits.argmax(-1).tolist() == list(generation.token_ids)
+
+
+def test_stop_and_length_are_respected(engine, policy, prompts):
+    stops = set(policy.stop_token_ids)
+    generations = engine.generate(prompts * 2, SamplingSettings(max_new_tokens=40, temperature=1.0, seed=2))
+    assert {g.finish_reason for g in generations} <= {"stop", "length"}
+    for generation in generations:
+        ids = list(generation.token_ids)
+        if generation.finish_reason == "stop":
+            assert ids[-1] in stops and not stops & set(ids[:-1])
+        else:
+            assert len(ids) == 40 and not stops & set(ids)
+    greeting = engine.generate(prompts[2:3], SamplingSettings(max_new_tokens=40, temperature=0))[0]
+    assert greeting.finish_reason == "stop"  # "hi" gets a short greeting that ends with <|im_end|>
+    short = engine.generate(prompts, SamplingSettings(max_new_tokens=3, temperature=1.0, seed=2))
+    assert all(len(g.token_ids) <= 3 for g in short)
+
+
+def test_seeded_and_order_preserving(engine, prompts):
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0, seed=5)
+    first = engine.generate(prompts, settings)
+    assert engine.generate(prompts, settings) == first
+    assert engine.generate(prompts, SamplingSettings(max_new_tokens=12, temperature=1.0, seed=6)) != first
+    greedy = engine.generate(prompts, SamplingSettings(max_new_tokens=6, temperature=0))
+    alone = [engine.generate([p], SamplingSettings(max_new_tokens=6, temperature=0))[0] for p in prompts]
+    assert [g.token_ids for g in greedy] == [a.token_ids for a in alone]
+
+
+def test_rollout_loop_masks_with_this_engine(engine, policy):
+    settings = RolloutSettings(max_turns=2, max_new_tokens=16, temperature=1.0, seed=1)
+    runner = RolloutRunner(policy, engine, ScriptedSimulator(), NoThinkFormat(), settings)
+    for trajectory in runner.run([make_profile("a"), make_profile("b", "Work has been awful lately.")]):
+        assert trajectory.num_turns == 2
+        assert_masks_cover_exactly_the_sampled_ids(trajectory)
+
+
+def test_empty_prompt_is_rejected(engine):
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[]], SamplingSettings())
+
+
+# --------------------------------------------------------------------------- engine-specific
+def test_vllm_weight_sync_follows_the_policy(vllm_engine, policy, prompts):
+    """Change the policy's weights, sync, and the engine samples from the changed policy."""
+    greedy = SamplingSettings(max_new_tokens=12, temperature=0)
+    before = vllm_engine.generate(prompts[:2], greedy)
+    original = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    try:
+        with torch.no_grad():
+            for name, parameter in policy.model.named_parameters():
+                if ".mlp.down_proj" in name:
+                    parameter.add_(torch.randn_like(parameter), alpha=0.02)
+        version = vllm_engine.weights_version
+        vllm_engine.sync_weights()
+        assert vllm_engine.weights_version == version + 1
+        after = vllm_engine.generate(prompts[:2], greedy)
+        assert [g.token_ids for g in after] != [g.token_ids for g in before]
+        for prompt, generation in zip(prompts[:2], after):
+            expected = teacher_forced_logprobs(policy, prompt, generation.token_ids, 0)
+            assert (torch.tensor(generation.logprobs) - expected).abs().max().item() < TOLERANCE["vllm"]
+    finally:
+        policy.model.load_state_dict(original)
+        vllm_engine.sync_weights()
+    assert [g.token_ids for g in vllm_engine.generate(prompts[:2], greedy)] == [g.token_ids for g in before]
+
+
+def test_hf_training_mode_is_restored(policy, prompts):
+    policy.model.train()
+    HFEngine(policy).generate(prompts[:1], SamplingSettings(max_new_tokens=2, temperature=0))
+    assert policy.model.training
+    policy.model.eval()
+
+
+def test_bad_engine_options(policy):
+    from rlver_plugins.vllm_engine import VLLMEngine
+
+    with pytest.raises(ValueError, match=r"batch_size \(0\) must be >= 1"):
+        HFEngine(policy, batch_size=0)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization \(1.5\) must be within"):
+        VLLMEngine(policy, gpu_memory_utilization=1.5)
