@@ -40,6 +40,8 @@ def build_runner(model_cfg: Namespace, device: str, ckpt: str | None = None) -> 
         load_policy_weights(policy.model, ckpt)
         policy.name = f"{policy.name}@{ckpt}"
     runner = module.rollout_runner(policy)
+    if ckpt is not None:
+        runner.engine.sync_weights()  # engines with their own copy loaded the weights from disk
     runner.components["model"] = policy.name
     return runner
 

@@ -284,6 +284,17 @@ class RLVERModule(L.LightningModule):
         )
         self.runner = self.rollout_runner(policy)
 
+    # Checkpoint weights are restored after setup(); engines with their own copy of the
+    # weights (vllm) loaded them from disk, so push the restored ones in before any rollout.
+    def on_train_start(self) -> None:
+        self.runner.engine.sync_weights()
+
+    def on_validation_start(self) -> None:
+        self.runner.engine.sync_weights()
+
+    def on_test_start(self) -> None:
+        self.runner.engine.sync_weights()
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         total_steps = max(int(self.trainer.max_steps if self.trainer.max_steps > 0 else 1000), 1)

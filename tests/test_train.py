@@ -150,6 +150,34 @@ def test_grpo_fit_two_steps_then_resume_from_last(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (evaluated,) = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evaluated["model"].endswith(f"@{last}")
+    # vLLM keeps its own copy of the weights: it must talk with the checkpoint's policy too.
+    vllm_engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 1}"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlver.cli",
+            "rollout",
+            "--config",
+            str(config),
+            "--out",
+            str(tmp_path / "v.jsonl"),
+            "--ckpt",
+            str(last),
+            "--limit",
+            "1",
+            "--model.rollout.temperature",
+            "0",
+            "--model.engine",
+            vllm_engine,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (with_vllm,) = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
+    assert [t["text"] for t in with_vllm["turns"]] == [t["text"] for t in evaluated["turns"]]
 
     out = tmp_path / "exported"
     result = subprocess.run(
