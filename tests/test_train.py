@@ -26,7 +26,9 @@ def read_scalars(folder):
     }
 
 
-def write_config(tmp_path, algorithm, max_steps, engine="hf", precision="bf16-mixed"):
+def write_config(
+    tmp_path, algorithm, max_steps, engine="hf", precision="bf16-mixed", ppo="micro_batch_size: 2"
+):
     root = tmp_path / "run"
     config = tmp_path / f"{algorithm}.yaml"
     advantage, group_size = ("grpo", 2) if algorithm == "grpo" else ("gae", 1)
@@ -54,7 +56,7 @@ def write_config(tmp_path, algorithm, max_steps, engine="hf", precision="bf16-mi
           group_size: {group_size}
           rewards: [final_emotion, {{name: emotion_gain, weight: 0.5}}]
           rollout: {{max_turns: 2, max_new_tokens: 12}}
-          ppo: {{micro_batch_size: 2}}
+          ppo: {{{ppo}}}
           actor_lr: 1.0e-5
           log_samples_every_n_steps: 1
         data:
@@ -198,15 +200,28 @@ def test_grpo_fit_two_steps_then_resume_from_last(tmp_path):
     assert torch.equal(exported.state_dict()[name], state[name])
 
 
-def test_ppo_with_critic_one_step(tmp_path):
-    config, root = write_config(tmp_path, "ppo", max_steps=1)
+def test_ppo_with_critic_and_kl_to_a_reference_one_step(tmp_path):
+    ppo = "micro_batch_size: 2, kl_coef: 0.05, kl_estimator: k3, kl_mode: in-loss"
+    config, root = write_config(tmp_path, "ppo", max_steps=1, ppo=ppo)
     fit(config)
     scalars = read_scalars(root / "tb")
-    for tag in [*EXPECTED_SCALARS, "ppo/value_loss", "ppo/critic_grad_norm", "ppo/critic_lr"]:
+    tags = [
+        *EXPECTED_SCALARS,
+        "ppo/value_loss",
+        "ppo/critic_grad_norm",
+        "ppo/critic_lr",
+        "ppo/kl",
+        "ppo/kl_loss",
+    ]
+    for tag in tags:
         assert tag in scalars and all(math.isfinite(v) for _, v in scalars[tag]), tag
     checkpoint = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert any(k.startswith("value_model.value_head") for k in checkpoint["state_dict"])
     assert len(checkpoint["optimizer_states"]) == 2  # actor and critic
+    assert not any(
+        k.startswith("_reference") for k in checkpoint["state_dict"]
+    )  # the frozen reference is not saved
+    assert abs(scalars["ppo/kl"][0][1]) < 1e-3  # the policy starts as the reference
 
 
 def test_one_update_moves_log_probs_in_the_advantage_direction(policy):
