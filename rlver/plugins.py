@@ -62,7 +62,8 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self._entries: dict[str, dict[str, Registration]] = {kind: {} for kind in REGISTRATION_HOOKS}
         self.plugins: dict[str, PluginInfo] = {}
-        if os.environ.get("RLVER_TRACE_HOOKS") == "1":
+        self.tracing = os.environ.get("RLVER_TRACE_HOOKS") == "1"
+        if self.tracing:
             self.pm.trace.root.setwriter(lambda message: sys.stderr.write(f"[rlver hooks] {message}"))
             self.pm.enable_tracing()
 
@@ -98,6 +99,9 @@ class Registry:
         for kind, hook_name in REGISTRATION_HOOKS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name == name:
+                    # Called one plugin at a time (to know who registered what), so traced here.
+                    if self.tracing:
+                        sys.stderr.write(f"[rlver hooks] {hook_name}(register) in plugin {name!r}\n")
                     impl.function(register=self._register_function(kind, name, info))
 
     def _register_function(self, kind: str, plugin_name: str, info: PluginInfo) -> hookspecs.Register:

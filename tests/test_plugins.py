@@ -307,3 +307,13 @@ def test_hf_engine_registered_through_rlver_register_engines():
         PluginError, match=r"--model.engine.beams: unknown option; accepted: batch_size, sort_by_length"
     ):
         get_registry().check("engines", {"name": "hf", "beams": 2}, flag="--model.engine", context={"policy"})
+
+
+def test_tracing_hook_calls_by_environment():
+    env = {**os.environ, "RLVER_TRACE_HOOKS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rlver.cli", "plugins"], capture_output=True, text=True, check=True, env=env
+    )
+    assert "[rlver hooks] rlver_register_simulators(register) in plugin 'embedded_user'" in result.stderr
+    assert "[rlver hooks] rlver_register_engines(register) in plugin 'vllm_engine'" in result.stderr
+    json.loads(result.stdout)  # tracing goes to stderr only
