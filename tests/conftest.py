@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,3 +23,15 @@ def policy():
 @pytest.fixture(scope="session")
 def tokenizer(policy):
     return policy.tokenizer
+
+
+def run_cli(*args, env=None, check=False):
+    """Run `rlver <args>` in a fresh interpreter from the repo root; `env` adds variables."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlver.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=check,
+        env=None if env is None else {**os.environ, **env},
+    )

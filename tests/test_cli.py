@@ -2,17 +2,11 @@
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from rlver.cli import main
-from tests.conftest import REPO
-
-
-def run_cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "rlver.cli", *args], capture_output=True, text=True, cwd=cwd)
+from tests.conftest import run_cli
 
 
 def test_help_and_unknown_command(capsys):

@@ -11,7 +11,7 @@ import pytest
 
 from rlver import hookimpl, hookspecs
 from rlver.plugins import REGISTRATION_HOOKS, PluginError, Registry, get_registry
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 HOOK_NAMES = sorted(name for name in dir(hookspecs) if name.startswith("rlver_"))
 BUILTINS = {
@@ -33,9 +33,7 @@ def test_builtins_load_through_the_entry_point_group():
 
 
 def test_rlver_plugins_prints_json():
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "plugins"], capture_output=True, text=True, check=True
-    )
+    result = run_cli("plugins", check=True)
     listed = {p["name"]: p["registers"] for p in json.loads(result.stdout)}
     assert {k: listed[k] for k in BUILTINS} == BUILTINS
 
@@ -241,20 +239,12 @@ def third_party_site(tmp_path_factory):
 
 
 def _env_with(site, **extra):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
-    env.update(extra)
-    return env
+    """Variables that put the throwaway plugin's site folder on the path."""
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), **extra}
 
 
 def test_third_party_plugin_is_listed(third_party_site):
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "plugins"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=_env_with(third_party_site),
-    )
+    result = run_cli("plugins", check=True, env=_env_with(third_party_site))
     listed = {p["name"]: p for p in json.loads(result.stdout)}
     assert listed["echo_user"]["version"] == "0.3.0"
     assert listed["echo_user"]["registers"] == {"simulators": ["echo"]}
@@ -272,21 +262,14 @@ def test_third_party_simulator_is_selectable_from_a_config(third_party_site, tmp
     """)
     )
     out, log = tmp_path / "t.jsonl", tmp_path / "observer.jsonl"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlver.cli",
-            "rollout",
-            "--config",
-            str(config),
-            "--out",
-            str(out),
-            "--limit",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
+    result = run_cli(
+        "rollout",
+        "--config",
+        config,
+        "--out",
+        out,
+        "--limit",
+        "2",
         env=_env_with(third_party_site, ECHO_LOG=str(log)),
     )
     assert result.returncode == 0, result.stderr
@@ -310,10 +293,7 @@ def test_hf_engine_registered_through_rlver_register_engines():
 
 
 def test_tracing_hook_calls_by_environment():
-    env = {**os.environ, "RLVER_TRACE_HOOKS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "plugins"], capture_output=True, text=True, check=True, env=env
-    )
+    result = run_cli("plugins", check=True, env={"RLVER_TRACE_HOOKS": "1"})
     assert "[rlver hooks] rlver_register_simulators(register) in plugin 'embedded_user'" in result.stderr
     assert "[rlver hooks] rlver_register_engines(register) in plugin 'vllm_engine'" in result.stderr
     json.loads(result.stdout)  # tracing goes to stderr only

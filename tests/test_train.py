@@ -2,8 +2,6 @@
 
 import json
 import math
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -11,7 +9,7 @@ import torch
 
 from rlver.batch import token_logprobs
 from rlver.module import PPOSettings, actor_loss
-from tests.conftest import REPO
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +65,7 @@ def write_config(
 
 
 def fit(config, *extra):
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    result = run_cli("fit", "--config", config, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -128,65 +121,30 @@ def test_grpo_fit_two_steps_then_resume_from_last(tmp_path):
     ]
     assert steps == [0, 0, 1, 1, 2, 2]  # the resumed run continued at step 2
 
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlver.cli",
-            "rollout",
-            "--config",
-            str(config),
-            "--out",
-            str(tmp_path / "eval.jsonl"),
-            "--ckpt",
-            str(last),
-            "--limit",
-            "1",
-            "--model.rollout.temperature",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
+    evaluate = (
+        "rollout",
+        "--config",
+        config,
+        "--ckpt",
+        last,
+        "--limit",
+        "1",
+        "--model.rollout.temperature",
+        "0",
     )
+    result = run_cli(*evaluate, "--out", tmp_path / "eval.jsonl")
     assert result.returncode == 0, result.stderr[-2000:]
     (evaluated,) = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evaluated["model"].endswith(f"@{last}")
     # vLLM keeps its own copy of the weights: it must talk with the checkpoint's policy too.
     vllm_engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 1}"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlver.cli",
-            "rollout",
-            "--config",
-            str(config),
-            "--out",
-            str(tmp_path / "v.jsonl"),
-            "--ckpt",
-            str(last),
-            "--limit",
-            "1",
-            "--model.rollout.temperature",
-            "0",
-            "--model.engine",
-            vllm_engine,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    result = run_cli(*evaluate, "--out", tmp_path / "v.jsonl", "--model.engine", vllm_engine)
     assert result.returncode == 0, result.stderr[-2000:]
     (with_vllm,) = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
     assert [t["text"] for t in with_vllm["turns"]] == [t["text"] for t in evaluated["turns"]]
 
     out = tmp_path / "exported"
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "export", "--ckpt", str(last), "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    result = run_cli("export", "--ckpt", last, "--out", out)
     assert result.returncode == 0, result.stderr
     from transformers import AutoModelForCausalLM
 
