@@ -1,9 +1,11 @@
 """Emotion mechanics shared by every user simulator (the SAGE rules).
 
 Emotion lives in [0, 100]. A turn's raw change is scaled by the difficulty,
-clamped to +-max_change and the result capped to [0, 100]. Bands: S >= 100,
-A >= 70, B >= 40, C >= 10, F < 10. A dialogue succeeds at >= success_at and
-fails below failure_below; at S or F the user says goodbye.
+clamped to +-max_change (unless the difficulty has no clamp) and the result
+capped to [0, 100]. Bands: S >= 100, A >= 70, B >= 40, C >= 10, F < 10. A
+dialogue succeeds at >= success_at and fails below failure_below (the SAGE
+benchmark: < 10) or at or below failure_at_or_below (the reference "hard"
+training user: when emotion reaches 0); then the user says goodbye.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ class Difficulty:
     positive_scale / negative_scale: multiply gains / losses before the clamp.
     tolerance: 0..1, how much a mild miss is forgiven (used by rubric
         simulators; 1 forgives every mild miss, 0 none).
-    success_at / failure_below: emotion thresholds that end the dialogue.
+    success_at: the dialogue succeeds when emotion >= success_at.
+    failure_below: the dialogue fails when emotion < failure_below (None: never).
+    failure_at_or_below: the dialogue also fails when emotion <= this (None: never);
+        "hard" uses 0, as the reference training user stops at emotion <= 0.
     """
 
     name: str = "normal"
@@ -52,7 +57,8 @@ class Difficulty:
     negative_scale: float = 1.0
     tolerance: float = 0.5
     success_at: float = 100.0
-    failure_below: float = 10.0
+    failure_below: float | None = 10.0
+    failure_at_or_below: float | None = None
 
     def __post_init__(self) -> None:
         if not EMOTION_MIN <= self.start <= EMOTION_MAX:
@@ -68,7 +74,18 @@ class Difficulty:
 DIFFICULTIES: dict[str, Difficulty] = {
     "easy": Difficulty("easy", start=50.0, positive_scale=1.25, negative_scale=0.75, tolerance=0.8),
     "normal": Difficulty("normal", start=40.0),
-    "hard": Difficulty("hard", start=30.0, positive_scale=0.8, negative_scale=1.25, tolerance=0.2),
+    # The reference "hard" training user: starts at 30, no clamp, ends when emotion reaches 0;
+    # its harsher wording is the scales and the low tolerance here, its own prompts in LLM users.
+    "hard": Difficulty(
+        "hard",
+        start=30.0,
+        max_change=None,
+        positive_scale=0.8,
+        negative_scale=1.25,
+        tolerance=0.2,
+        failure_below=None,
+        failure_at_or_below=0.0,
+    ),
 }
 
 
@@ -104,6 +121,23 @@ def termination(emotion: float, difficulty: Difficulty) -> str | None:
     """ "success", "failure" or None (the dialogue goes on)."""
     if emotion >= difficulty.success_at:
         return "success"
-    if emotion < difficulty.failure_below:
+    if difficulty.failure_below is not None and emotion < difficulty.failure_below:
+        return "failure"
+    if difficulty.failure_at_or_below is not None and emotion <= difficulty.failure_at_or_below:
         return "failure"
     return None
+
+
+def profile_difficulty(profile: Any, default: Difficulty) -> Difficulty:
+    """The difficulty a profile asks for (`extra["difficulty"]`), else `default`.
+
+    Every simulator calls this so a per-profile level (or one a curriculum set)
+    wins over the simulator's own setting.
+    """
+    spec = profile.extra.get("difficulty")
+    if spec is None:
+        return default
+    try:
+        return resolve_difficulty(spec)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{profile.source or profile.id}: difficulty: {error}") from None

@@ -48,8 +48,19 @@ class UserSimulator(ABC):
     def open(self, profile: Profile, *, seed: int) -> UserSession:
         """Start a dialogue with `profile`; `seed` makes the session reproducible."""
 
+    def opening_batch(self, sessions: Sequence[UserSession]) -> list[UserTurn]:
+        """The opening lines of new sessions (LLM-played users write them concurrently)."""
+        return [session.opening() for session in sessions]
+
     def respond_batch(self, sessions: Sequence[UserSession], replies: Sequence[str]) -> list[UserTurn]:
         return [session.respond(reply) for session, reply in zip(sessions, replies, strict=True)]
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Counters since the last call (requests, retries, ...), logged under `simulator/`."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release connections and threads; the simulator is not used afterwards."""
 
 
 # --------------------------------------------------------------------------- prompt formats

@@ -1,0 +1,217 @@
+"""A scripted OpenAI-compatible chat server, for tests, benchmarks and offline dry runs.
+
+It listens on a real socket and answers `POST /v1/chat/completions` the way
+the `sage` prompts ask, with deterministic content: the planning answer's
+change grows with the empathy cues in the partner's reply, and the reply
+answer is a short line in the format. It can also inject faults on a
+schedule (HTTP 429 / 500, delays past the client's timeout, malformed
+answers) and add a fixed latency to every answer.
+
+    python -m rlver_plugins.sage_user.scripted_server --port 8011 --latency 0.2
+
+Faults are keyed by a marker (any text that appears in one dialogue's system
+prompt, e.g. the persona's name), the call kind ("open", "plan", "reply") and
+the 1-based count of that kind of call for that marker, re-asks included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+# Fault actions: an HTTP status, a delay past the timeout, or a malformed answer.
+FAULTS = ("429", "500", "503", "timeout", "no_change", "words", "fullwidth", "no_response")
+
+_EMPATHY = re.compile(
+    r"understand|sorry|hear you|feel|sounds|must be|that's hard|理解|感受|难过|辛苦|心疼|不容易",
+    re.IGNORECASE,
+)
+
+
+def call_kind(messages: list[dict[str, str]]) -> str:
+    """Which sage call a request is: "plan", "reply" or "open" (re-asks keep their kind)."""
+    task = next((m["content"] for m in messages if m["role"] == "user"), "")
+    if "Origin:" in task:  # checked first: the reply prompt quotes the planning answer
+        return "reply"
+    return "plan" if "TargetCompletion:" in task else "open"
+
+
+def planning_answer(messages: list[dict[str, str]]) -> str:
+    task = next((m["content"] for m in messages if m["role"] == "user"), "")
+    latest = task.rsplit("Partner: ", 1)[-1] if "Partner: " in task else task.rsplit("对方: ", 1)[-1]
+    latest = latest.split("\n\n#", 1)[0]
+    cues = len(_EMPATHY.findall(latest))
+    change = min(3 * cues, 9) if cues else -4
+    return (
+        "Content: the partner responds to my story.\n"
+        f"TargetCompletion: {'partly' if cues else 'not'} what I need.\n"
+        "Activity: I weigh whether they get me.\n"
+        f"Analyse: {'somewhat understood' if cues else 'brushed off'}.\n"
+        f"Change: {change:+d}"
+    )
+
+
+def reply_answer(messages: list[dict[str, str]]) -> str:
+    task = next((m["content"] for m in messages if m["role"] == "user"), "")
+    leaving = "say goodbye" in task or "说再见" in task
+    text = "Thanks, that helps. Goodbye." if leaving else "Hm, maybe. What would you do in my place?"
+    return f"Thinking: stay in character.\nOrigin: {text}\nChange: keep it short.\nResponse: {text}"
+
+
+def opening_answer(messages: list[dict[str, str]]) -> str:
+    return "Thinking: open up a little.\nResponse: Something happened this week and I can't stop thinking about it."
+
+
+def malformed(kind: str, fault: str) -> str:
+    if fault == "no_change":
+        return "Content: hmm.\nAnalyse: I am not sure how I feel."
+    if fault == "words":
+        return "Content: hmm.\nChange: slightly negative"
+    if fault == "fullwidth":  # readable: full-width colon and digits, brackets
+        return "Content: ok.\n**Change：** 【＋３】"
+    return "Thinking: hm.\nOrigin: no final field here."  # no_response
+
+
+@dataclass
+class Script:
+    """What the server does. `faults[(marker, kind, n)]` is one of FAULTS."""
+
+    faults: dict[tuple[str, str, int], str] = field(default_factory=dict)
+    latency: float = 0.0
+    timeout_delay: float = 3.0
+    api_key: str | None = None
+    calls: Counter[tuple[str, str]] = field(default_factory=Counter)
+    served: Counter[str] = field(default_factory=Counter)  # faults actually injected, and "ok"
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def decide(self, payload: dict[str, Any]) -> tuple[str, str | None]:
+        messages = payload.get("messages") or []
+        kind = call_kind(messages)
+        system = next((m["content"] for m in messages if m["role"] == "system"), "")
+        markers = sorted({marker for marker, _, _ in self.faults if marker in system})
+        fault = None
+        with self.lock:
+            self.requests.append(payload)
+            for marker in markers:
+                self.calls[(marker, kind)] += 1
+                fault = fault or self.faults.get((marker, kind, self.calls[(marker, kind)]))
+            self.served[fault or "ok"] += 1
+        return kind, fault
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read counters instead
+        pass
+
+    def _send(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (a timeout we injected)
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/").endswith("/models"):
+            self._send(200, {"object": "list", "data": [{"id": "scripted-user", "object": "model"}]})
+        else:
+            self._send(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        script = self.server.script
+        length = int(self.headers.get("Content-Length") or 0)
+        payload = json.loads(self.rfile.read(length) or b"{}")
+        if not self.path.rstrip("/").endswith("/chat/completions"):
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+            return
+        if script.api_key is not None and self.headers.get("Authorization") != f"Bearer {script.api_key}":
+            self._send(401, {"error": {"message": "invalid API key"}})
+            return
+        kind, fault = script.decide(payload)
+        if script.latency:
+            time.sleep(script.latency)
+        if fault in ("429", "500", "503"):
+            self._send(int(fault), {"error": {"message": f"injected {fault}"}})
+            return
+        if fault == "timeout":
+            time.sleep(script.timeout_delay)
+        messages = payload.get("messages") or []
+        if fault in ("no_change", "words", "fullwidth", "no_response"):
+            content = malformed(kind, fault)
+        else:
+            content = {"plan": planning_answer, "reply": reply_answer, "open": opening_answer}[kind](messages)
+        self._send(
+            200,
+            {
+                "id": "scripted",
+                "object": "chat.completion",
+                "model": payload.get("model", "scripted-user"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 0, "completion_tokens": len(content.split())},
+            },
+        )
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], script: Script) -> None:
+        super().__init__(address, _Handler)
+        self.script = script
+
+
+class ScriptedServer:
+    """Runs the server in a background thread: `with ScriptedServer(Script()) as server: server.url`."""
+
+    def __init__(self, script: Script | None = None, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.script = script or Script()
+        self._server = _Server((host, port), self.script)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8011)
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds added to every answer")
+    args = parser.parse_args()
+    server = ScriptedServer(Script(latency=args.latency), args.host, args.port)
+    print(f"scripted user endpoint at {server.url}", flush=True)
+    server._server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The LLM-played user ("sage"): SAGE's two calls per turn against an OpenAI-compatible endpoint.
+
+Per turn and dialogue: a planning call judges the policy's reply as the persona
+and yields a signed change; the shared mechanics (`rlver.emotion`) scale, clamp
+and cap it and decide success or failure; a reply call answers in character
+from the band label and the planning text. All active dialogues' calls run
+concurrently on the client's event loop.
+
+A dialogue never hangs and never gets a made-up emotion: an answer that does
+not parse is re-asked up to `max_reasks` times, a request that keeps failing
+is retried up to `max_retries` times, and after that the dialogue ends with
+termination "simulator_error" at its last real emotion (the trainer leaves it
+out of the loss and counts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from rlver.emotion import Difficulty, apply_change, band, profile_difficulty, resolve_difficulty, termination
+from rlver.interfaces import UserSession, UserSimulator
+from rlver.types import Profile, UserTurn
+
+from .client import ChatClient, EndpointError, EndpointSettings, LoopThread, ResponseCache
+from .parsing import ParseFailure, Planning, UserReply, parse_planning, parse_reply
+from .prompts import PROMPT_SETS, PromptSet, opening_messages, planning_messages, reply_messages
+
+LANGUAGES = ("auto", "en", "zh")
+SIMULATOR_ERROR = "simulator_error"
+GOODBYE = "goodbye"
+_GOODBYE = re.compile(r"\b(good\s?bye|bye)\b|再见|拜拜", re.IGNORECASE)
+
+
+def says_goodbye(text: str) -> bool:
+    """Whether the user's message takes leave (English or Chinese)."""
+    return _GOODBYE.search(text) is not None
+
+
+def _stable_seed(*parts: object) -> int:
+    digest = hashlib.sha256("\x1f".join(str(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1  # a positive 31-bit seed every server accepts
+
+
+class _TurnFailed(Exception):
+    """The call for this turn gave up; the message says why (for the transcript)."""
+
+
+class SageUserSimulator(UserSimulator):
+    """SAGE's LLM-played user over any OpenAI-compatible chat endpoint."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key_env: str | None = None,
+        difficulty: str | dict[str, Any] = "normal",
+        language: str = "auto",
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        max_tokens: int = 512,
+        seed: int = 0,
+        timeout: float = 60.0,
+        max_retries: int = 4,
+        backoff_seconds: float = 1.0,
+        backoff_max_seconds: float = 30.0,
+        max_reasks: int = 2,
+        max_concurrency: int = 32,
+        requests_per_second: float | None = None,
+        cache_path: str | None = None,
+        cache_only: bool = False,
+    ) -> None:
+        """Configure the LLM-played user.
+
+        Args:
+            base_url: The endpoint's OpenAI-compatible root, e.g. http://127.0.0.1:8000/v1.
+            model: The served model name to ask.
+            api_key_env: Name of the environment variable holding the API key (never the key
+                itself); None for endpoints without authentication.
+            difficulty: "easy", "normal" or "hard", or a dict overriding a preset: start emotion,
+                clamp, end conditions and the persona's judging wording. A profile's own
+                `difficulty` field wins.
+            language: Prompt set: "en", "zh", or "auto" (each profile's own language).
+            temperature: Sampling temperature of the user model.
+            top_p: Nucleus sampling mass of the user model.
+            max_tokens: Token limit of one simulator answer.
+            seed: Base seed; each request's seed mixes it with the dialogue, turn and attempt.
+            timeout: Seconds before a request counts as timed out (then retried).
+            max_retries: Retries of a request after a timeout, connection error, 429 or 5xx.
+            backoff_seconds: Base of the exponential backoff (with full jitter) between retries.
+            backoff_max_seconds: Longest wait between two retries.
+            max_reasks: How often an answer that does not parse is asked for again.
+            max_concurrency: Requests in flight at most.
+            requests_per_second: Optional rate limit across all dialogues.
+            cache_path: Optional SQLite file caching answers by request, for replays.
+            cache_only: Answer only from the cache (a miss ends that dialogue with a
+                simulator error); needs cache_path.
+        """
+        problems = []
+        if not base_url.startswith(("http://", "https://")):
+            problems.append(f"base_url ({base_url!r}) must start with http:// or https://")
+        if language not in LANGUAGES:
+            problems.append(f"language ({language!r}) must be one of {', '.join(LANGUAGES)}")
+        if timeout <= 0:
+            problems.append(f"timeout ({timeout}) must be > 0")
+        if max_retries < 0 or max_reasks < 0:
+            problems.append("max_retries and max_reasks must be >= 0")
+        if max_concurrency < 1:
+            problems.append(f"max_concurrency ({max_concurrency}) must be >= 1")
+        if requests_per_second is not None and requests_per_second <= 0:
+            problems.append(f"requests_per_second ({requests_per_second}) must be > 0")
+        if cache_only and not cache_path:
+            problems.append("cache_only needs cache_path")
+        api_key = None
+        if api_key_env:
+            api_key = os.environ.get(api_key_env)
+            if not api_key:
+                problems.append(f"api_key_env: the environment variable {api_key_env} is not set")
+        try:
+            self.difficulty: Difficulty = resolve_difficulty(difficulty)
+        except (ValueError, TypeError) as error:
+            problems.append(f"difficulty: {error}")
+        if problems:
+            raise ValueError("sage simulator: " + "; ".join(problems))
+        self.language = language
+        self.seed = seed
+        self.max_reasks = max_reasks
+        self.counters: Counter[str] = Counter()
+        self._loop = LoopThread("rlver-sage-user")
+        settings = EndpointSettings(
+            base_url=base_url,
+            model=model,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff_seconds=backoff_seconds,
+            backoff_max_seconds=backoff_max_seconds,
+            max_concurrency=max_concurrency,
+            requests_per_second=requests_per_second,
+        )
+        cache = ResponseCache(cache_path) if cache_path else None
+        self.client = ChatClient(settings, api_key, self._loop, cache=cache, cache_only=cache_only)
+        self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
+
+    def __repr__(self) -> str:  # never shows the key: it lives only in the HTTP client's headers
+        return f"SageUserSimulator(base_url={self.client.settings.base_url!r}, model={self.client.settings.model!r})"
+
+    # ------------------------------------------------------------------ UserSimulator
+    def open(self, profile: Profile, *, seed: int) -> SageUserSession:
+        language = self.language if self.language != "auto" else profile.language
+        prompts = PROMPT_SETS.get(language, PROMPT_SETS["en"])
+        difficulty = profile_difficulty(profile, self.difficulty)
+        return SageUserSession(self, profile, difficulty, prompts, _stable_seed(self.seed, seed, profile.id))
+
+    def opening_batch(self, sessions: Sequence[UserSession]) -> list[UserTurn]:
+        return self._loop.run(_gather([self._session(s).opening_async() for s in sessions]))
+
+    def respond_batch(self, sessions: Sequence[UserSession], replies: Sequence[str]) -> list[UserTurn]:
+        coroutines = [self._session(s).respond_async(r) for s, r in zip(sessions, replies, strict=True)]
+        return self._loop.run(_gather(coroutines))
+
+    def drain_metrics(self) -> dict[str, float]:
+        totals = self.counters + self.client.counters
+        self.counters.clear()
+        self.client.counters.clear()
+        return {name: float(value) for name, value in sorted(totals.items())}
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _session(self, session: UserSession) -> SageUserSession:
+        if not isinstance(session, SageUserSession) or session.simulator is not self:
+            raise TypeError("the sage simulator can only drive sessions it opened")
+        return session
+
+    # ------------------------------------------------------------------ one structured call
+    async def ask(self, messages: list[dict[str, str]], parse: Any, seed: int, stats: Counter[str]) -> Any:
+        """Call the endpoint and parse the answer, re-asking on parse failures (bounded)."""
+        conversation = list(messages)
+        for attempt in range(self.max_reasks + 1):
+            try:
+                answer = await self.client.complete(conversation, seed=seed + attempt, stats=stats)
+            except EndpointError as error:
+                raise _TurnFailed(str(error)) from None
+            try:
+                return parse(answer)
+            except ParseFailure as failure:
+                problem = str(failure)
+                if attempt == self.max_reasks:
+                    self.counters["unparsed_answers"] += 1
+                    raise _TurnFailed(
+                        f"unreadable answer after {self.max_reasks + 1} tries: {problem}; "
+                        f"last answer: {answer[:200]!r}"
+                    ) from None
+                self.counters["reasks"] += 1
+                stats["reasks"] += 1
+                conversation = [
+                    *messages,
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": self._reask_text(messages, problem)},
+                ]
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _reask_text(messages: list[dict[str, str]], problem: str) -> str:
+        prompts = PROMPT_SETS["zh"] if "严格按" in messages[-1]["content"] else PROMPT_SETS["en"]
+        return prompts.reask.format(problem=problem)
+
+
+class SageUserSession(UserSession):
+    """One dialogue with the LLM-played user; holds its emotion and history."""
+
+    def __init__(
+        self,
+        simulator: SageUserSimulator,
+        profile: Profile,
+        difficulty: Difficulty,
+        prompts: PromptSet,
+        seed: int,
+    ) -> None:
+        self.simulator = simulator
+        self.profile = profile
+        self.difficulty = difficulty
+        self.prompts = prompts
+        self.seed = seed
+        self.history: list[tuple[str, str]] = []  # ("user" | "partner", text)
+        self._emotion = difficulty.start
+        self._opening: UserTurn | None = None
+        self._ended: str | None = None
+        self._turn = 0
+
+    @property
+    def emotion(self) -> float:
+        return self._emotion
+
+    def opening(self) -> UserTurn:
+        return self.simulator.opening_batch([self])[0]
+
+    def respond(self, reply: str) -> UserTurn:
+        return self.simulator.respond_batch([self], [reply])[0]
+
+    async def opening_async(self) -> UserTurn:
+        if self._opening is not None:
+            return self._opening
+        stats: Counter[str] = Counter()
+        if self.profile.first_talk:
+            text, reason = self.profile.first_talk, {"source": "first_talk"}
+        else:
+            messages = opening_messages(self.profile, self.difficulty, self.prompts)
+            try:
+                reply: UserReply = await self.simulator.ask(messages, parse_reply, self._seed("open"), stats)
+            except _TurnFailed as failure:
+                return self._fail(str(failure), stats, opening=True)
+            text, reason = reply.response, {"source": "generated", "thinking": reply.thinking}
+        self.history.append(("user", text))
+        self._opening = UserTurn(text=text, emotion=self._emotion, reason={**reason, **stats})
+        return self._opening
+
+    async def respond_async(self, reply: str) -> UserTurn:
+        if self._ended:
+            raise RuntimeError(f"profile {self.profile.id}: the dialogue already ended ({self._ended})")
+        if self._opening is None:
+            await self.opening_async()
+        self._turn += 1
+        stats: Counter[str] = Counter()
+        self.history.append(("partner", reply))
+        try:
+            planning: Planning = await self.simulator.ask(
+                planning_messages(self.profile, self.difficulty, self.prompts, self._emotion, self.history),
+                parse_planning,
+                self._seed("plan"),
+                stats,
+            )
+            emotion, applied = apply_change(self._emotion, planning.change, self.difficulty)
+            emotion, applied = round(emotion, 2), round(applied, 2)
+            ending = termination(emotion, self.difficulty)
+            answer: UserReply = await self.simulator.ask(
+                reply_messages(
+                    self.profile,
+                    self.difficulty,
+                    self.prompts,
+                    band(emotion),
+                    planning.text,
+                    self.history,
+                    ending,
+                ),
+                parse_reply,
+                self._seed("reply"),
+                stats,
+            )
+        except _TurnFailed as failure:
+            return self._fail(str(failure), stats)
+        self._emotion = emotion
+        self.history.append(("user", answer.response))
+        if ending is None and says_goodbye(answer.response):
+            ending = GOODBYE
+        self._ended = ending
+        return UserTurn(
+            text=answer.response,
+            emotion=emotion,
+            change=applied,
+            reason={"planning": planning.record(applied), "thinking": answer.thinking, **stats},
+            termination=ending,
+        )
+
+    def _seed(self, call: str) -> int:
+        # Re-asks add their attempt number; 1000 apart keeps the seeds of different calls apart.
+        offset = {"open": 0, "plan": 1, "reply": 2}[call]
+        return (self.seed + 1000 * (3 * self._turn + offset)) % (2**31)
+
+    def _fail(self, why: str, stats: Counter[str], *, opening: bool = False) -> UserTurn:
+        self.simulator.counters["dialogue_errors"] += 1
+        self._ended = SIMULATOR_ERROR
+        turn = UserTurn(
+            text="",
+            emotion=self._emotion,
+            reason={"error": why, **stats},
+            termination=SIMULATOR_ERROR,
+        )
+        if opening:
+            self._opening = turn
+        return turn
+
+
+async def _gather(coroutines: list[Any]) -> list[UserTurn]:
+    return list(await asyncio.gather(*coroutines))
+
+
+def _shutdown(client: ChatClient, loop: LoopThread) -> None:
+    try:
+        client.close()
+    finally:
+        loop.stop()
