@@ -66,7 +66,8 @@ def reply_answer(messages: list[dict[str, str]]) -> str:
 
 
 def opening_answer(messages: list[dict[str, str]]) -> str:
-    return "Thinking: open up a little.\nResponse: Something happened this week and I can't stop thinking about it."
+    text = "Something happened this week and I can't stop thinking about it."
+    return f"Thinking: open up a little.\nResponse: {text}"
 
 
 def malformed(kind: str, fault: str) -> str:

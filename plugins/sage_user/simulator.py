@@ -151,7 +151,8 @@ class SageUserSimulator(UserSimulator):
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
 
     def __repr__(self) -> str:  # never shows the key: it lives only in the HTTP client's headers
-        return f"SageUserSimulator(base_url={self.client.settings.base_url!r}, model={self.client.settings.model!r})"
+        settings = self.client.settings
+        return f"SageUserSimulator(base_url={settings.base_url!r}, model={settings.model!r})"
 
     # ------------------------------------------------------------------ UserSimulator
     def open(self, profile: Profile, *, seed: int) -> SageUserSession:
