@@ -1,7 +1,7 @@
 """The `rlver` command.
 
 `fit`, `validate` and `test` are LightningCLI subcommands over RLVERModule and
-ProfileDataModule; `plugins`, `rollout` and `export` are rlver's own. Plugins
+ProfileDataModule; `plugins`, `rollout`, `export` and `score` are rlver's own. Plugins
 are loaded before any parser is built, so their component names and options
 are known when a config is read.
 """
@@ -137,7 +137,13 @@ def rollout_command(argv: Sequence[str]) -> int:
             writer.write(results)
             registry.call_observers("rlver_on_rollout_end", trajectories=results, step=None)
             trajectories.extend(results)
+    simulator_counts = runner.simulator.drain_metrics()
+    runner.simulator.close()
     print(format_summary(summarize(trajectories), cfg.out))
+    errors = sum(t.termination == "simulator_error" for t in trajectories)
+    print(f"{'simulator errors':<18}  {errors:d}")
+    for name, value in simulator_counts.items():
+        print(f"simulator {name:<8}  {value:g}")
     return 0
 
 
@@ -167,6 +173,42 @@ def export_command(argv: Sequence[str]) -> int:
 
     out = export_checkpoint(cfg.ckpt, cfg.out)
     print(f"exported {cfg.ckpt} -> {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- rlver score
+def score_command(argv: Sequence[str]) -> int:
+    from rlver.score import leaderboard_markdown, leaderboard_rows, load_scored_file, plot_trajectories
+
+    parser = ArgumentParser(
+        prog="rlver score",
+        description="Sentient-benchmark scores of transcript files (SAGE records or rlver transcripts): "
+        "a Markdown leaderboard (Score = mean final emotion, Success >= 100, Failure < 10) "
+        "and an emotion-trajectory plot.",
+    )
+    parser.add_argument(
+        "files", nargs="+", type=str, help="Transcript files (JSONL); each is one row, named by its stem."
+    )
+    parser.add_argument(
+        "--plot",
+        type=str,
+        default="score.png",
+        help="PNG of the mean emotion by user message; 'none' skips it.",
+    )
+    parser.add_argument(
+        "--by",
+        type=str | None,
+        default=None,
+        help="Also split each file by this record field (e.g. theme, character).",
+    )
+    cfg = parser.parse_args(list(argv))
+    files = [load_scored_file(path) for path in cfg.files]
+    print(leaderboard_markdown(leaderboard_rows(files)))
+    if cfg.by:
+        print()
+        print(leaderboard_markdown(leaderboard_rows(files, by=cfg.by), by=cfg.by))
+    if cfg.plot.lower() != "none":
+        print(f"\nplot: {plot_trajectories(files, cfg.plot)}")
     return 0
 
 
@@ -215,7 +257,12 @@ def parse_recipe(path: str) -> Namespace:
 
 
 # --------------------------------------------------------------------------- entry point
-COMMANDS = {"plugins": plugins_command, "rollout": rollout_command, "export": export_command}
+COMMANDS = {
+    "plugins": plugins_command,
+    "rollout": rollout_command,
+    "export": export_command,
+    "score": score_command,
+}
 TRAINER_COMMANDS = ("fit", "validate", "test")
 
 USAGE = f"""usage: rlver <command> [options]
@@ -228,6 +275,7 @@ commands:
   test       run test dialogues with a model or checkpoint
   rollout    run dialogues, write transcripts, print a summary
   export     write a checkpoint's policy as a Hugging Face folder
+  score      score transcript files (Sentient benchmark): leaderboard and emotion plot
   plugins    list installed plugins and what they register (JSON)
 
 `rlver <command> --help` shows a command's options."""

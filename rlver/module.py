@@ -24,6 +24,7 @@ import torch
 
 from rlver.batch import RolloutBatch, build_batch, token_logprobs
 from rlver.critic import ValueModel
+from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
 from rlver.interfaces import AdvantageBatch
 from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
 from rlver.plugins import get_registry, plain_config, split_spec
@@ -137,6 +138,9 @@ class RLVERModule(L.LightningModule):
         critic_warmup_ratio: Same for the critic.
         gradient_checkpointing: Trade compute for memory in the policy and critic.
         log_samples_every_n_steps: Log sample dialogues and an emotion plot every N steps (0: never).
+        curriculum: Environment difficulty over training: a level (easy, normal, hard) or stages
+            [{"until_step": 10, "mix": "easy"}, {"mix": {"normal": 1, "hard": 1}}]; each training
+            profile draws its level, which wins over the simulator's own (None: no curriculum).
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class RLVERModule(L.LightningModule):
         critic_warmup_ratio: float = 0.05,
         gradient_checkpointing: bool = False,
         log_samples_every_n_steps: int = 10,
+        curriculum: str | list[dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -178,6 +183,9 @@ class RLVERModule(L.LightningModule):
         self.ppo = _as_settings(PPOSettings, ppo, "--model.ppo")
         if eval_temperature < 0:
             raise ValueError(f"--model.eval_temperature ({eval_temperature}) must be >= 0")
+        self.curriculum = (
+            DifficultyCurriculum.from_config(plain_config(curriculum)) if curriculum is not None else None
+        )
 
         registry = get_registry()
         self.component_specs = {
@@ -320,7 +328,11 @@ class RLVERModule(L.LightningModule):
         step = self.global_step
         step_started = time.perf_counter()
 
-        # 1. a batch of profiles; each repeated group_size times as a group sharing persona and opening
+        # 1. a batch of profiles, each at its curriculum level; each repeated group_size times
+        #    as a group sharing persona, opening and level
+        if self.curriculum is not None:
+            offset = self.global_rank * len(batch)
+            batch = self.curriculum.assign(batch, step, self.rollout_settings.seed, offset=offset)
         dialogues = [profile for profile in batch for _ in range(self.hparams.group_size)]
         group_ids = torch.tensor([i // self.hparams.group_size for i in range(len(dialogues))])
 
@@ -335,6 +347,8 @@ class RLVERModule(L.LightningModule):
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
         self._append_transcripts("train", trajectories, step)
         metrics = self._rollout_metrics(trajectories, prefix="rollout")
+        if self.curriculum is not None:
+            metrics.update(self._difficulty_metrics(trajectories))
         # A dialogue the simulator failed on stays in the batch (every rank must run the same
         # collectives) but is left out of the loss: its own group id keeps it out of GRPO's
         # baselines, and its loss mask is zeroed below.
@@ -344,6 +358,7 @@ class RLVERModule(L.LightningModule):
         metrics["rollout/simulator_errors"] = float(
             sum(t.termination == "simulator_error" for t in trajectories)
         )
+        metrics.update(self._simulator_metrics())
         if not kept:
             self._log_metrics(metrics)
             return
@@ -596,6 +611,27 @@ class RLVERModule(L.LightningModule):
             f"{prefix}/truncated_rate": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
         }
 
+    def _simulator_metrics(self) -> dict[str, float]:
+        """The simulator's counters since the last call (requests, retries, re-asks, ...)."""
+        return {f"simulator/{name}": float(value) for name, value in self.simulator.drain_metrics().items()}
+
+    def _difficulty_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Share of dialogues and mean final emotion per curriculum level, over all ranks."""
+        assert self.curriculum is not None
+
+        def reduce_sum(values: list[float]) -> list[float]:
+            if self._trainer is None:
+                return values
+            summed = self.trainer.strategy.reduce(torch.tensor(values, device=self.device), reduce_op="sum")
+            return summed.tolist()
+
+        return difficulty_metrics(
+            [t.profile.extra.get("difficulty") for t in trajectories],
+            [t.final_emotion for t in trajectories],
+            self.curriculum.levels,
+            reduce_sum,
+        )
+
     def _log_metrics(self, metrics: Mapping[str, float], **kwargs: Any) -> None:
         finite = {
             k: float(v) for k, v in metrics.items() if v == v
@@ -659,6 +695,10 @@ class RLVERModule(L.LightningModule):
         self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
         metrics = self._rollout_metrics(trajectories, prefix=split)
         metrics[f"{split}/reward"] = self._score(trajectories, {}).mean().item()
+        metrics[f"{split}/simulator_errors"] = float(
+            sum(t.termination == "simulator_error" for t in trajectories)
+        )
+        metrics.update(self._simulator_metrics())
         self._log_metrics(metrics, on_epoch=True, on_step=False)
 
     # ------------------------------------------------------------------ checkpoints

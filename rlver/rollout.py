@@ -107,6 +107,7 @@ class Trajectory:
     policy_turns: list[PolicyTurn] = field(default_factory=list)
     termination: str = ""
     components: dict[str, Any] = field(default_factory=dict)
+    difficulty: str | None = None  # the level the user played (per simulator, profile or curriculum)
 
     @property
     def start_emotion(self) -> float:
@@ -163,6 +164,7 @@ class Trajectory:
             "language": profile.language,
             **self.components,
             "seed": self.seed,
+            "difficulty": self.difficulty,
             "system_prompt": self.system_prompt,
             "start_emotion": self.start_emotion,
             "final_emotion": self.final_emotion,
@@ -282,8 +284,16 @@ class RolloutRunner:
         """
         base_seed = self.settings.seed if seed is None else seed
         self.timings = {"generate": 0.0, "simulator": 0.0}
+        seeds = [dialogue_seed(base_seed, profile.id, i) for i, profile in enumerate(profiles)]
+        sessions = [
+            self.simulator.open(profile, seed=seed) for profile, seed in zip(profiles, seeds, strict=True)
+        ]
+        started = time.perf_counter()
+        openings = self.simulator.opening_batch(sessions) if sessions else []
+        self.timings["simulator"] += time.perf_counter() - started
         dialogues = [
-            self._open(profile, dialogue_seed(base_seed, profile.id, i)) for i, profile in enumerate(profiles)
+            self._open(session, seed, opening)
+            for session, seed, opening in zip(sessions, seeds, openings, strict=True)
         ]
         active = [d for d in dialogues if not d.trajectory.termination]
         for turn in range(self.settings.max_turns):
@@ -324,11 +334,12 @@ class RolloutRunner:
                 on_turn(turn + 1, len(active))
         return [d.trajectory for d in dialogues]
 
-    def _open(self, profile: Profile, seed: int) -> _Dialogue:
-        session = self.simulator.open(profile, seed=seed)
-        opening = session.opening()
+    def _open(self, session: UserSession, seed: int, opening: UserTurn) -> _Dialogue:
+        profile = session.profile
         system_prompt = self.prompt_format.system_prompt(profile)
         trajectory = Trajectory(profile, seed, system_prompt, components=self.components)
+        level = getattr(session, "difficulty", None)  # a Difficulty, a name, or absent
+        trajectory.difficulty = getattr(level, "name", level)
         trajectory.user_turns.append(opening)
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": opening.text}]
         dialogue = _Dialogue(trajectory, session, messages)

@@ -7,7 +7,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rlver.emotion import band
 from rlver.rollout import Trajectory
+from rlver.types import UserTurn
 
 
 class TranscriptWriter:
@@ -40,10 +42,92 @@ class TranscriptWriter:
 
 
 def read_transcripts(path: str | Path) -> Iterator[dict[str, Any]]:
+    for _, record in read_numbered_transcripts(path):
+        yield record
+
+
+def read_numbered_transcripts(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, decoded JSON) for every non-blank line; bad JSON raises naming file:line."""
     with Path(path).open(encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if line.strip():
                 try:
-                    yield json.loads(line)
+                    yield line_number, json.loads(line)
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{path}:{line_number}: invalid JSON: {error.msg}") from None
+
+
+# --------------------------------------------------------------------------- SAGE records
+SAGE_FIELDS = (
+    "id",
+    "emo_point",
+    "emo_state",
+    "target",
+    "player",
+    "scene",
+    "character",
+    "topic",
+    "task",
+    "history",
+)
+PLANNING_FIELDS = ("activity", "TargetCompletion", "content", "analyse", "change")  # as recorded
+
+
+def to_sage_record(trajectory: Trajectory) -> dict[str, Any]:
+    """The dialogue as a line of the recorded SAGE / Sentient transcripts (fields SAGE_FIELDS).
+
+    User messages carry `emotion-point` and, after the opening, `planning` (with the
+    signed `change`) and, when the simulator reported one, `thinking`. A simulator
+    whose `UserTurn.reason` has no SAGE `planning` (the embedded rubric user) gets
+    one built from its record: the record as JSON under `analyse`, and the change.
+    Assistant messages carry the visible reply as `content` and the policy's
+    reasoning as `think` when it had any.
+    """
+    profile = trajectory.profile
+    history: list[dict[str, Any]] = []
+    for index, user_turn in enumerate(trajectory.user_turns):
+        message: dict[str, Any] = {"role": "user", "content": user_turn.text}
+        if index > 0:
+            thinking = user_turn.reason.get("thinking")
+            if isinstance(thinking, str):
+                message["thinking"] = thinking
+        message["emotion-point"] = _plain_number(user_turn.emotion)
+        if index > 0:
+            message["planning"] = _sage_planning(user_turn)
+        history.append(message)
+        if index < len(trajectory.policy_turns):
+            parsed = trajectory.policy_turns[index].parsed
+            reply: dict[str, Any] = {"role": "assistant", "content": parsed.visible}
+            if parsed.thinking is not None:
+                reply["think"] = parsed.thinking
+            history.append(reply)
+    final = trajectory.final_emotion
+    return {
+        "id": profile.id,
+        "emo_point": _plain_number(final),
+        "emo_state": f"Emotion-{band(final)}",
+        "target": "eq",
+        "player": profile.player,
+        "scene": profile.scene,
+        "character": profile.main_cha,
+        "topic": profile.extra.get("topic", ""),
+        "task": profile.task,
+        "history": history,
+    }
+
+
+def _sage_planning(user_turn: UserTurn) -> dict[str, Any]:
+    planning = user_turn.reason.get("planning")
+    if isinstance(planning, dict):
+        change = planning.get("change")
+        if isinstance(change, bool) or not isinstance(change, (int, float)):
+            change = user_turn.change
+        ordered = {name: planning[name] for name in PLANNING_FIELDS if name in planning}
+        return {**ordered, **planning, "change": _plain_number(change)}
+    summary = json.dumps(user_turn.reason, ensure_ascii=False)
+    return {"analyse": summary, "change": _plain_number(user_turn.change)}
+
+
+def _plain_number(value: float) -> int | float:
+    """An int when the value is integral (as SAGE writes emotions), else the float."""
+    return int(value) if float(value).is_integer() else value

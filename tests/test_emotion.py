@@ -21,12 +21,13 @@ def test_change_is_clamped_to_ten_and_capped_at_100():
 
 
 def test_difficulty_scales_before_the_clamp():
-    hard = DIFFICULTIES["hard"]  # gains x0.8, losses x1.25
+    hard = DIFFICULTIES["hard"]  # gains x0.8, losses x1.25, and (like the reference hard user) no clamp
     assert apply_change(30, 5, hard) == (34, 4)
     assert apply_change(30, -4, hard) == (25, -5)
-    assert apply_change(30, -10, hard) == (20, -10)  # -12.5 clamped
-    easy = DIFFICULTIES["easy"]  # gains x1.25
+    assert apply_change(30, -10, hard) == (17.5, -12.5)  # not clamped to -10
+    easy = DIFFICULTIES["easy"]  # gains x1.25, clamped to +-10
     assert apply_change(50, 4, easy) == (55, 5)
+    assert apply_change(50, 10, easy) == (60, 10)  # 12.5 clamped
 
 
 def test_unclamped_difficulty_keeps_large_changes():

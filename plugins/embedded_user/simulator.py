@@ -9,11 +9,12 @@ record on `UserTurn.reason` is documented in `rubric.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from typing import Any
 
-from rlver.emotion import Difficulty, apply_change, band, resolve_difficulty, termination
+from rlver.emotion import Difficulty, apply_change, band, profile_difficulty, resolve_difficulty, termination
 from rlver.interfaces import UserSession, UserSimulator
 from rlver.types import Profile, UserTurn
 
@@ -49,7 +50,9 @@ class EmbeddedUserSimulator(UserSimulator):
         Args:
             difficulty: "easy", "normal" or "hard", or a dict overriding a preset, e.g.
                 {"base": "hard", "start": 35}. Sets the start emotion, the scaling of
-                gains and losses, and the tolerance of mild misses.
+                gains and losses, the clamp, the end condition and the tolerance of mild
+                misses. A profile's own `difficulty` field (or a training curriculum's
+                level) wins over this.
             seed: base seed for the user's wording; mixed with each dialogue's seed and the
                 profile id. The emotion path never depends on it.
             short_reply_words: replies under this many words (two Chinese characters count
@@ -92,12 +95,14 @@ class EmbeddedUserSimulator(UserSimulator):
         )
 
     def open(self, profile: Profile, *, seed: int) -> EmbeddedUserSession:
+        difficulty = profile_difficulty(profile, self.difficulty)
         language = self.language or profile.language
         if language not in SUPPORTED_LANGUAGES:
             language = "en"
-        rubric = Rubric(profile.theme, profile.personality, language, self.settings)
+        settings = dataclasses.replace(self.settings, tolerance=difficulty.tolerance)
+        rubric = Rubric(profile.theme, profile.personality, language, settings)
         voice = Voice(profile, language, random.Random(stable_seed(self.seed, seed, profile.id)))
-        return EmbeddedUserSession(profile, self.difficulty, rubric, voice, story_keywords(profile, language))
+        return EmbeddedUserSession(profile, difficulty, rubric, voice, story_keywords(profile, language))
 
 
 class EmbeddedUserSession(UserSession):

@@ -91,7 +91,20 @@ class Script:
     calls: Counter[tuple[str, str]] = field(default_factory=Counter)
     served: Counter[str] = field(default_factory=Counter)  # faults actually injected, and "ok"
     requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0  # the most requests the server was handling at once
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def enter(self, headers: dict[str, str]) -> None:
+        with self.lock:
+            self.headers.append(headers)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.in_flight -= 1
 
     def decide(self, payload: dict[str, Any]) -> tuple[str, str | None]:
         messages = payload.get("messages") or []
@@ -132,6 +145,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": {"message": "not found"}})
 
     def do_POST(self) -> None:
+        self.server.script.enter(dict(self.headers))
+        try:
+            self._answer()
+        finally:
+            self.server.script.leave()
+
+    def _answer(self) -> None:
         script = self.server.script
         length = int(self.headers.get("Content-Length") or 0)
         payload = json.loads(self.rfile.read(length) or b"{}")

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlver.emotion import resolve_difficulty
 from rlver.types import Personality, Profile, personality_from_text
 
 BUILTIN_PREFIX = "builtin:"
@@ -49,6 +50,8 @@ def parse_profile(record: Any, *, where: str) -> Profile:
     """Validate one decoded JSON record; `where` is "file:line" for messages."""
     if not isinstance(record, dict):
         raise ProfileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if is_sage_record(record):
+        record = profile_fields_of_sage_record(record, where=where)
     for name in REQUIRED_TEXT_FIELDS:
         if name not in record:
             raise ProfileError(f"{where}: field '{name}': missing")
@@ -83,7 +86,36 @@ def parse_profile(record: Any, *, where: str) -> Profile:
         profile.theme  # noqa: B018 - validates an explicit extra["theme"]
     except ValueError:
         raise ProfileError(f"{where}: field 'theme': unknown hidden theme {extra.get('theme')!r}") from None
+    if extra.get("difficulty") is not None:
+        try:
+            resolve_difficulty(extra["difficulty"])
+        except (ValueError, TypeError) as error:
+            raise ProfileError(f"{where}: field 'difficulty': {error}") from None
     return profile
+
+
+def is_sage_record(record: dict[str, Any]) -> bool:
+    """A recorded SAGE / Sentient dialogue (`character`, `history`) rather than a profile."""
+    return isinstance(record.get("history"), list) and "character" in record and "main_cha" not in record
+
+
+def profile_fields_of_sage_record(record: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """The profile a SAGE transcript line was played from: its persona, scene and need,
+    `character` as `main_cha`, no traits (SAGE records carry none), the first user
+    message as `first_talk` and `topic` kept as an extra. The dialogue itself is dropped.
+    """
+    _require_text(record["character"], where, "character")
+    history = record["history"]
+    first = next((i for i, m in enumerate(history) if isinstance(m, dict) and m.get("role") == "user"), None)
+    if first is None:
+        raise ProfileError(f"{where}: field 'history': no user message to take first_talk from")
+    first_talk = history[first].get("content")
+    _require_text(first_talk, where, f"history[{first}].content")
+    fields = {name: record[name] for name in ("id", "player", "scene", "task") if name in record}
+    fields.update(main_cha=record["character"], cha_group=[], first_talk=first_talk)
+    if "topic" in record:
+        fields["topic"] = record["topic"]
+    return fields
 
 
 def _require_text(value: Any, where: str, name: str) -> None:
