@@ -674,6 +674,46 @@ class RLVERModule(L.LightningModule):
     def test_step(self, batch: list[Profile], batch_idx: int) -> None:
         self._evaluate(batch, batch_idx, "test")
 
+    def on_test_epoch_start(self) -> None:
+        self._test_trajectories: list[Trajectory] = []
+
+    def on_test_epoch_end(self) -> None:
+        """Sentient-benchmark output: SAGE-format records and Score / Success / Failure.
+
+        Every rank writes its own dialogues; the scores are of all ranks' dialogues.
+        """
+        from rlver.score import score_records
+        from rlver.transcripts import to_sage_record
+
+        records = [to_sage_record(trajectory) for trajectory in self._test_trajectories]
+        directory = self._log_dir()
+        path = None
+        if directory is not None:
+            label = Path(str(self.hparams.policy).rstrip("/")).name or "policy"
+            suffix = f"_rank{self.global_rank}" if self.trainer.world_size > 1 else ""
+            path = directory / "sentient" / f"{label}{suffix}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w", encoding="utf-8") as handle:
+                for record in records:
+                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(gathered, records)
+            records = [record for part in gathered for record in part]
+        if self.global_rank != 0 or not records:
+            return
+        scores = score_records(records)
+        errors = sum(t.termination == "simulator_error" for t in self._test_trajectories)
+        print(
+            f"\nSentient benchmark ({scores['dialogues']} dialogues"
+            f"{f', {errors} ended by simulator errors' if errors else ''})\n"
+            f"Score    {scores['score']:.1f}\n"
+            f"Success  {scores['success']}\n"
+            f"Failure  {scores['failure']}\n"
+            + (f"records  {path}  (rlver score {path})\n" if path is not None else ""),
+            flush=True,
+        )
+
     def _evaluate(self, batch: list[Profile], batch_idx: int, split: str) -> None:
         settings = self.rollout_settings
         eval_settings = RolloutSettings(
@@ -693,6 +733,8 @@ class RLVERModule(L.LightningModule):
         finally:
             self.runner.settings = previous
         self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
+        if split == "test":
+            self._test_trajectories.extend(trajectories)
         metrics = self._rollout_metrics(trajectories, prefix=split)
         metrics[f"{split}/reward"] = self._score(trajectories, {}).mean().item()
         metrics[f"{split}/simulator_errors"] = float(

@@ -443,6 +443,7 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(tmp_path,
     out = tmp_path / "dialogues.jsonl"
     result = run_cli("rollout", "--config", config, "--split", "test", "--limit", "3", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)  # the summary and simulator counters, shown with `pytest -s`
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3
     counters = {}

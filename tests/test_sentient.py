@@ -1,0 +1,103 @@
+"""The Sentient benchmark recipe end to end: `rlver test` on recipes/sentient_eval.yaml.
+
+The recipe runs as written except for what a CPU test must change: the real
+SmolLM2 policy on the hf engine, two of the 100 users, and the user model played
+by the scripted server on 127.0.0.1 (real sockets, SAGE's prompts and format).
+"""
+
+import itertools
+import json
+import re
+
+import pytest
+import yaml
+from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer, call_kind
+
+from rlver.data.profiles import load_profiles
+from rlver.transcripts import SAGE_FIELDS
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.slow
+
+BENCHMARK_PROMPT = (
+    "You are an intelligent chat partner who chats with users with high EQ, "
+    "making them feel comfortable, happy or helped."
+)
+
+
+def numbers(text, *names):
+    return {name: float(re.search(rf"^{name}\s+([\d.]+)", text, re.MULTILINE).group(1)) for name in names}
+
+
+def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path):
+    recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval.yaml").read_text())
+    root = tmp_path / "sentient"
+    with ScriptedServer(Script()) as server:
+        recipe["trainer"].update(
+            accelerator="cpu", precision="32-true", default_root_dir=str(root), limit_test_batches=1
+        )
+        recipe["trainer"]["logger"]["init_args"]["save_dir"] = str(root)
+        model = recipe["model"]
+        model.update(policy="smollm2-135m-instruct", dtype="float32", engine="hf")
+        model["simulator"].update(
+            base_url=server.url,
+            model="scripted-user",
+            api_key_env=None,
+            cache_path=str(tmp_path / "c.sqlite"),
+        )
+        model["rollout"].update(max_new_tokens=16, max_context_tokens=4096)
+        recipe["data"]["batch_size"] = 2
+        config = tmp_path / "sentient_cpu.yaml"
+        config.write_text(yaml.safe_dump(recipe, allow_unicode=True))
+        result = run_cli("test", "--config", config)
+        assert result.returncode == 0, result.stderr[-3000:]
+        requests = server.script.requests
+
+    # the protocol as written in the recipe
+    assert recipe["model"]["rollout"]["max_turns"] == 9
+    assert recipe["model"]["simulator"]["difficulty"] == "normal"
+    assert recipe["model"]["prompt_format"]["system_prompt"] == BENCHMARK_PROMPT
+    printed = numbers(result.stdout, "Score", "Success", "Failure")
+
+    records_path = root / "sentient" / "smollm2-135m-instruct.jsonl"
+    records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
+    users = load_profiles("builtin:sentient_test")[:2]
+    assert [r["id"] for r in records] == [u.id for u in users]
+    for record, user in zip(records, users):
+        assert list(record) == list(SAGE_FIELDS)
+        history = record["history"]
+        spoken = [m for m in history if m["role"] == "user"]
+        assert history[0] == {**history[0], "role": "user", "content": user.first_talk, "emotion-point": 40}
+        assert 2 <= len(spoken) <= 10
+        final = spoken[-1]["emotion-point"]
+        assert record["emo_point"] == final
+        if len(spoken) < 10:  # ended early: only at the benchmark's stops
+            assert final >= 100 or final < 10 or re.search(r"(?i)\bbye\b|再见|拜拜", spoken[-1]["content"])
+        for before, after in itertools.pairwise(spoken):
+            change = after["planning"]["change"]
+            assert abs(change) <= 10 and after["emotion-point"] == max(
+                0, min(100, before["emotion-point"] + change)
+            )
+
+    # the user model saw the opening line and visible replies only, never the policy's system prompt
+    plans = [r for r in requests if call_kind(r["messages"]) == "plan"]
+    assert plans and all(
+        users[0].first_talk in r["messages"][1]["content"]
+        or users[1].first_talk in r["messages"][1]["content"]
+        for r in plans
+    )
+    assert not any(BENCHMARK_PROMPT in json.dumps(r) or "<think>" in json.dumps(r) for r in requests)
+    transcripts = (root / "rollouts" / "test_step0_rank0.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["system_prompt"] == BENCHMARK_PROMPT for line in transcripts)
+
+    scored = run_cli("score", records_path, "--plot", tmp_path / "plot.png")
+    assert scored.returncode == 0, scored.stderr
+    row = next(line for line in scored.stdout.splitlines() if "smollm2-135m-instruct" in line)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    finals = [r["emo_point"] for r in records]
+    assert printed == {
+        "Score": round(sum(finals) / len(finals), 1),
+        "Success": sum(f >= 100 for f in finals),
+        "Failure": sum(f < 10 for f in finals),
+    }
+    assert f"{printed['Score']:.1f}" in cells and str(int(printed["Failure"])) in cells
