@@ -239,6 +239,22 @@ def test_calls_of_all_dialogues_run_concurrently_within_the_limit():
             assert len(server.script.requests) == 16  # planning + reply per dialogue
 
 
+def test_requests_per_second_limits_the_pace():
+    # aiolimiter lets a burst of `rate` through, then paces: 12 requests at 4/s span >= 2 s.
+    with ScriptedServer(Script()) as server:
+        simulator = SageUserSimulator(
+            server.url, "scripted-user", requests_per_second=4, **FAST | {"timeout": 5}
+        )
+        sessions = [simulator.open(person(f"P{i}"), seed=i) for i in range(6)]
+        simulator.opening_batch(sessions)
+        started = time.monotonic()
+        simulator.respond_batch(sessions, [EMPATHIC] * 6)
+        elapsed = time.monotonic() - started
+        simulator.close()
+    assert len(server.script.requests) == 12
+    assert elapsed >= 1.5
+
+
 def test_success_ends_with_a_goodbye_and_difficulty_comes_from_the_profile():
     near_the_top = person("Ana", difficulty={"base": "normal", "start": 95})
     hard = person("Ben", difficulty="hard")

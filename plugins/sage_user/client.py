@@ -223,7 +223,14 @@ class ChatClient:
             if self._limiter is not None:
                 await self._limiter.acquire()
             self.counters["requests"] += 1
-            response = await self._http.post("chat/completions", json=payload)
+            # httpx's timeout bounds each read; this bounds the whole answer, so a server
+            # that trickles bytes cannot hold a dialogue forever.
+            try:
+                response = await asyncio.wait_for(
+                    self._http.post("chat/completions", json=payload), timeout=self.settings.timeout
+                )
+            except asyncio.TimeoutError:
+                raise httpx.ReadTimeout(f"no complete answer within {self.settings.timeout} s") from None
         status = response.status_code
         if status == 429 or status >= 500:
             raise _Transient(status, response.text)
