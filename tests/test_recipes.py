@@ -33,7 +33,7 @@ def test_recipe_parses_and_validates(recipe: Path):
         ("simulators", model.simulator),
         ("formats", model.prompt_format),
         ("advantages", model.advantage),
-        *[("rewards", reward) for reward in model.rewards],
+        *[("rewards", reward) for reward in model.rewards or []],
     ]:
         plain = spec.as_dict() if hasattr(spec, "as_dict") else spec
         name, _ = split_spec(plain, flag=kind)
