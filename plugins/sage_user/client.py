@@ -151,7 +151,12 @@ class ChatClient:
         self._http, self._slots, self._limiter = loop.run(build())
 
     async def complete(
-        self, messages: list[dict[str, str]], *, seed: int, stats: Counter[str] | None = None
+        self,
+        messages: list[dict[str, str]],
+        *,
+        seed: int,
+        stats: Counter[str] | None = None,
+        response_format: dict[str, Any] | None = None,
     ) -> str:
         """The assistant text for `messages`; raises EndpointError / EndpointConfigError.
 
@@ -165,6 +170,8 @@ class ChatClient:
             "max_tokens": self.settings.max_tokens,
             "seed": seed,
         }
+        if response_format is not None:
+            payload["response_format"] = response_format
         key = ResponseCache.key(payload) if self.cache is not None else ""
         if self.cache is not None:
             cached = self.cache.get(key)

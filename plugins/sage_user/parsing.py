@@ -5,11 +5,13 @@ around the number, full-width digits and signs, the value on the next line) and
 strict about content: an answer without a `Change:` field, or whose field holds
 no integer ("slightly negative", "minus five"), is a parse failure that the
 simulator re-asks a bounded number of times. As in SAGE, the change is the
-first signed integer after the label.
+first signed integer after the label. An answer that is a JSON object (the
+`json_schema` response format) is read by its keys instead of its labels.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -64,8 +66,46 @@ def _normalise(text: str) -> str:
     return text.replace("\u2212", "-").replace("\u2013", "-").replace("\u2014", "-")
 
 
+# JSON keys (lower case, no underscores) -> field labels. The reply's "Change:" (how the
+# draft was revised) is "revision" in JSON so it cannot be mistaken for an emotion change.
+_JSON_KEYS = {
+    "content": "Content",
+    "targetcompletion": "TargetCompletion",
+    "activity": "Activity",
+    "analyse": "Analyse",
+    "analysis": "Analyse",
+    "change": "Change",
+    "thinking": "Thinking",
+    "origin": "Origin",
+    "revision": "Change",
+    "response": "Response",
+}
+
+
+def _json_fields(text: str, names: tuple[str, ...]) -> dict[str, str] | None:
+    """The fields of an answer that is one JSON object (optionally in a code fence), else None."""
+    body = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+    if not body.startswith("{"):
+        return None
+    try:
+        record = json.loads(body)
+    except json.JSONDecodeError as error:
+        raise ParseFailure(f"the answer is not valid JSON ({error.msg})") from None
+    if not isinstance(record, dict):
+        return None
+    fields: dict[str, str] = {}
+    for key, value in record.items():
+        name = _JSON_KEYS.get(str(key).lower().replace("_", ""))
+        if name in names and value is not None:
+            fields.setdefault(name, str(value).strip())
+    return fields
+
+
 def split_fields(text: str, names: tuple[str, ...]) -> dict[str, str]:
     """Map each label found at a line start to the text up to the next label (first one wins)."""
+    from_json = _json_fields(text, names)
+    if from_json is not None:
+        return from_json
     pattern = re.compile(_LABEL.format(names="|".join(names)), re.IGNORECASE | re.MULTILINE)
     matches = list(pattern.finditer(text))
     fields: dict[str, str] = {}

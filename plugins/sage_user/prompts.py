@@ -29,6 +29,7 @@ class PromptSet:
     speaker_user: str
     speaker_partner: str
     empty_history: str
+    json_hint: str  # appended when the endpoint is asked for a JSON object (json_schema format)
 
 
 ENGLISH = PromptSet(
@@ -109,6 +110,7 @@ ENGLISH = PromptSet(
     speaker_user="You",
     speaker_partner="Partner",
     empty_history="(nothing yet)",
+    json_hint="\nWrite these fields as one JSON object with the keys: {keys}.",
 )
 
 CHINESE = PromptSet(
@@ -180,6 +182,7 @@ CHINESE = PromptSet(
     speaker_user="你",
     speaker_partner="对方",
     empty_history="（还没有对话）",
+    json_hint="\n把这些字段写成一个JSON对象，键为：{keys}。",
 )
 
 PROMPT_SETS = {"en": ENGLISH, "zh": CHINESE}
@@ -249,3 +252,56 @@ def opening_messages(profile: Profile, difficulty: Difficulty, prompts: PromptSe
         {"role": "system", "content": persona_prompt(profile, difficulty, prompts)},
         {"role": "user", "content": prompts.opening_task},
     ]
+
+
+# ------------------------------------------------------------------ JSON schemas
+# For endpoints with structured outputs (OpenAI, vLLM, SGLang): the answer is forced to be
+# readable, which lets small user models play the user. Lengths bound the tokens spent.
+def _text(max_chars: int, min_chars: int = 0) -> dict[str, object]:
+    return {"type": "string", "minLength": min_chars, "maxLength": max_chars}
+
+
+def planning_schema(difficulty: Difficulty, max_chars: int) -> dict[str, object]:
+    change: dict[str, object] = {"type": "integer"}
+    if difficulty.max_change is not None:
+        bound = int(difficulty.max_change)
+        change.update(minimum=-bound, maximum=bound)
+    properties = {
+        "content": _text(max_chars),
+        "target_completion": _text(max_chars),
+        "activity": _text(max_chars),
+        "analyse": _text(max_chars),
+        "change": change,
+    }
+    return _object("planning", properties)
+
+
+def reply_schema(max_chars: int) -> dict[str, object]:
+    properties = {
+        "thinking": _text(max_chars),
+        "origin": _text(max_chars),
+        "revision": _text(max_chars),
+        "response": _text(max_chars, min_chars=1),
+    }
+    return _object("reply", properties)
+
+
+def opening_schema(max_chars: int) -> dict[str, object]:
+    return _object("opening", {"thinking": _text(max_chars), "response": _text(max_chars, min_chars=1)})
+
+
+def _object(name: str, properties: dict[str, object]) -> dict[str, object]:
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+def with_json_hint(messages: list[dict[str, str]], response_format: dict[str, object], prompts: PromptSet):
+    """The messages with the JSON keys named at the end of the task."""
+    keys = ", ".join(response_format["json_schema"]["schema"]["properties"])  # type: ignore[index]
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": last["content"] + prompts.json_hint.format(keys=keys)}]

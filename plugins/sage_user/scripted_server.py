@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from .parsing import split_fields
+
 # Fault actions: an HTTP status, a delay past the timeout, or a malformed answer.
 FAULTS = ("429", "500", "503", "timeout", "no_change", "words", "fullwidth", "no_response")
 
@@ -78,6 +80,15 @@ def malformed(kind: str, fault: str) -> str:
     if fault == "fullwidth":  # readable: full-width colon and digits, brackets
         return "Content: ok.\n**Change：** 【＋３】"
     return "Thinking: hm.\nOrigin: no final field here."  # no_response
+
+
+def as_json(text: str, keys: list[str]) -> str:
+    labels = {"target_completion": "TargetCompletion", "revision": "Change"}
+    fields = split_fields(text, tuple(labels.get(key, key.capitalize()) for key in keys))
+    record: dict[str, Any] = {key: fields.get(labels.get(key, key.capitalize()), "") for key in keys}
+    if "change" in record:
+        record["change"] = int(record["change"])
+    return json.dumps(record)
 
 
 @dataclass
@@ -174,6 +185,9 @@ class _Handler(BaseHTTPRequestHandler):
             content = malformed(kind, fault)
         else:
             content = {"plan": planning_answer, "reply": reply_answer, "open": opening_answer}[kind](messages)
+            schema = (payload.get("response_format") or {}).get("json_schema", {}).get("schema")
+            if schema:  # structured outputs: the same fields as one JSON object
+                content = as_json(content, list(schema["properties"]))
         self._send(
             200,
             {

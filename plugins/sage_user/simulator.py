@@ -30,9 +30,20 @@ from rlver.types import Profile, UserTurn
 
 from .client import ChatClient, EndpointError, EndpointSettings, LoopThread, ResponseCache
 from .parsing import ParseFailure, Planning, UserReply, parse_planning, parse_reply
-from .prompts import PROMPT_SETS, PromptSet, opening_messages, planning_messages, reply_messages
+from .prompts import (
+    PROMPT_SETS,
+    PromptSet,
+    opening_messages,
+    opening_schema,
+    planning_messages,
+    planning_schema,
+    reply_messages,
+    reply_schema,
+    with_json_hint,
+)
 
 LANGUAGES = ("auto", "en", "zh")
+RESPONSE_FORMATS = ("text", "json_schema")
 SIMULATOR_ERROR = "simulator_error"
 GOODBYE = "goodbye"
 _GOODBYE = re.compile(r"\b(good\s?bye|bye)\b|再见|拜拜", re.IGNORECASE)
@@ -75,6 +86,8 @@ class SageUserSimulator(UserSimulator):
         requests_per_second: float | None = None,
         cache_path: str | None = None,
         cache_only: bool = False,
+        response_format: str = "text",
+        field_max_chars: int = 400,
     ) -> None:
         """Configure the LLM-played user.
 
@@ -101,6 +114,10 @@ class SageUserSimulator(UserSimulator):
             cache_path: Optional SQLite file caching answers by request, for replays.
             cache_only: Answer only from the cache (a miss ends that dialogue with a
                 simulator error); needs cache_path.
+            response_format: "text" (SAGE's `Field:` lines) or "json_schema": the endpoint's
+                structured outputs force a JSON object with the same fields (OpenAI, vLLM and
+                SGLang servers support it), so even a small user model answers readably.
+            field_max_chars: With json_schema, the longest each text field may be.
         """
         problems = []
         if not base_url.startswith(("http://", "https://")):
@@ -117,6 +134,12 @@ class SageUserSimulator(UserSimulator):
             problems.append(f"requests_per_second ({requests_per_second}) must be > 0")
         if cache_only and not cache_path:
             problems.append("cache_only needs cache_path")
+        if response_format not in RESPONSE_FORMATS:
+            problems.append(
+                f"response_format ({response_format!r}) must be one of {', '.join(RESPONSE_FORMATS)}"
+            )
+        if field_max_chars < 1:
+            problems.append(f"field_max_chars ({field_max_chars}) must be >= 1")
         api_key = None
         if api_key_env:
             api_key = os.environ.get(api_key_env)
@@ -129,6 +152,8 @@ class SageUserSimulator(UserSimulator):
         if problems:
             raise ValueError("sage simulator: " + "; ".join(problems))
         self.language = language
+        self.json_fields = response_format == "json_schema"
+        self.field_max_chars = field_max_chars
         self.seed = seed
         self.max_reasks = max_reasks
         self.counters: Counter[str] = Counter()
@@ -183,12 +208,29 @@ class SageUserSimulator(UserSimulator):
         return session
 
     # ------------------------------------------------------------------ one structured call
-    async def ask(self, messages: list[dict[str, str]], parse: Any, seed: int, stats: Counter[str]) -> Any:
-        """Call the endpoint and parse the answer, re-asking on parse failures (bounded)."""
+    async def ask(
+        self,
+        messages: list[dict[str, str]],
+        parse: Any,
+        seed: int,
+        stats: Counter[str],
+        response_format: dict[str, Any] | None = None,
+        prompts: PromptSet | None = None,
+    ) -> Any:
+        """Call the endpoint and parse the answer, re-asking on parse failures (bounded).
+
+        `response_format` (a JSON schema) is sent only when the simulator uses json_schema.
+        """
+        if not self.json_fields:
+            response_format = None
+        elif response_format is not None and prompts is not None:
+            messages = with_json_hint(messages, response_format, prompts)
         conversation = list(messages)
         for attempt in range(self.max_reasks + 1):
             try:
-                answer = await self.client.complete(conversation, seed=seed + attempt, stats=stats)
+                answer = await self.client.complete(
+                    conversation, seed=seed + attempt, stats=stats, response_format=response_format
+                )
             except EndpointError as error:
                 raise _TurnFailed(str(error)) from None
             try:
@@ -257,7 +299,14 @@ class SageUserSession(UserSession):
         else:
             messages = opening_messages(self.profile, self.difficulty, self.prompts)
             try:
-                reply: UserReply = await self.simulator.ask(messages, parse_reply, self._seed("open"), stats)
+                reply: UserReply = await self.simulator.ask(
+                    messages,
+                    parse_reply,
+                    self._seed("open"),
+                    stats,
+                    opening_schema(self.simulator.field_max_chars),
+                    self.prompts,
+                )
             except _TurnFailed as failure:
                 return self._fail(str(failure), stats, opening=True)
             text, reason = reply.response, {"source": "generated", "thinking": reply.thinking}
@@ -279,6 +328,8 @@ class SageUserSession(UserSession):
                 parse_planning,
                 self._seed("plan"),
                 stats,
+                planning_schema(self.difficulty, self.simulator.field_max_chars),
+                self.prompts,
             )
             emotion, applied = apply_change(self._emotion, planning.change, self.difficulty)
             emotion, applied = round(emotion, 2), round(applied, 2)
@@ -296,6 +347,8 @@ class SageUserSession(UserSession):
                 parse_reply,
                 self._seed("reply"),
                 stats,
+                reply_schema(self.simulator.field_max_chars),
+                self.prompts,
             )
         except _TurnFailed as failure:
             return self._fail(str(failure), stats)
