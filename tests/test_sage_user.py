@@ -534,3 +534,40 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
         assert errors == 0 and reasks == 0
         assert all(record["termination"] != "simulator_error" for record in records)
         assert sum(record["num_turns"] for record in records) >= 3
+
+
+@pytest.mark.slow
+def test_the_policys_thinking_never_reaches_the_user_model(policy):
+    from rlver_plugins.formats import ThinkFormat
+
+    from rlver.interfaces import Generation, RolloutEngine
+    from rlver.rollout import RolloutRunner, RolloutSettings
+    from rlver.transcripts import to_sage_record
+
+    class FixedReplyEngine(RolloutEngine):
+        """Answers every prompt with the same thinking-format completion."""
+
+        def generate(self, prompts, sampling):
+            ids = policy.tokenizer("<think>SECRET-PLAN-42</think>I hear you, that sounds hard.")["input_ids"]
+            ids = [*ids, policy.stop_token_ids[0]]
+            return [Generation(tuple(ids), tuple([0.0] * len(ids)), "stop") for _ in prompts]
+
+    with ScriptedServer(Script()) as server:
+        simulator = SageUserSimulator(server.url, "scripted-user", **FAST)
+        runner = RolloutRunner(
+            policy,
+            FixedReplyEngine(),
+            simulator,
+            ThinkFormat(),
+            RolloutSettings(max_turns=3, max_new_tokens=64),
+        )
+        trajectories = runner.run([person("Ana"), person("Ben")])
+        simulator.close()
+        sent = json.dumps(server.script.requests)
+    assert "I hear you, that sounds hard." in sent
+    assert "SECRET-PLAN-42" not in sent and "<think>" not in sent
+    for trajectory in trajectories:
+        assert trajectory.termination == "max_turns" and trajectory.emotions == [40.0, 46.0, 52.0, 58.0]
+        history = to_sage_record(trajectory)["history"]
+        replies = [m for m in history if m["role"] == "assistant"]
+        assert all(m["think"] == "SECRET-PLAN-42" and "SECRET" not in m["content"] for m in replies)

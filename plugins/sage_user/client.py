@@ -134,6 +134,8 @@ class ChatClient:
         self.counters: Counter[str] = Counter()
         self._loop = loop
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Some servers echo the key they rejected; nothing they say reaches a message unredacted.
+        self._redact = (lambda text: text.replace(api_key, "***")) if api_key else (lambda text: text)
 
         async def build() -> tuple[httpx.AsyncClient, asyncio.Semaphore, AsyncLimiter | None]:
             limits = httpx.Limits(max_connections=settings.max_concurrency)
@@ -240,15 +242,17 @@ class ChatClient:
                 raise httpx.ReadTimeout(f"no complete answer within {self.settings.timeout} s") from None
         status = response.status_code
         if status == 429 or status >= 500:
-            raise _Transient(status, response.text)
+            raise _Transient(status, self._redact(response.text))
         if status in (401, 403, 404):
             raise EndpointConfigError(
                 f"{self.settings.base_url} answered HTTP {status} for model {self.settings.model!r}: "
-                f"{response.text[:200]} (check base_url, model and the API key variable)"
+                f"{self._redact(response.text)[:200]} (check base_url, model and the API key variable)"
             )
         if status >= 400:
             self.counters["failed_requests"] += 1
-            raise EndpointError(f"{self.settings.base_url} answered HTTP {status}: {response.text[:200]}")
+            raise EndpointError(
+                f"{self.settings.base_url} answered HTTP {status}: {self._redact(response.text)[:200]}"
+            )
         try:
             body = response.json()
             content = body["choices"][0]["message"]["content"]
@@ -256,7 +260,7 @@ class ChatClient:
         except (ValueError, KeyError, IndexError, TypeError):
             self.counters["failed_requests"] += 1
             raise EndpointError(
-                f"{self.settings.base_url}: not a chat completion: {response.text[:200]!r}"
+                f"{self.settings.base_url}: not a chat completion: {self._redact(response.text)[:200]!r}"
             ) from None
         self.counters["prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
         self.counters["completion_tokens"] += int(usage.get("completion_tokens") or 0)

@@ -170,7 +170,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": {"message": f"no route {self.path}"}})
             return
         if script.api_key is not None and self.headers.get("Authorization") != f"Bearer {script.api_key}":
-            self._send(401, {"error": {"message": "invalid API key"}})
+            # Echoes what it got, as some real APIs do: the client must not repeat it.
+            provided = self.headers.get("Authorization", "")
+            self._send(401, {"error": {"message": f"invalid API key: {provided}"}})
             return
         kind, fault = script.decide(payload)
         if script.latency:
