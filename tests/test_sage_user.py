@@ -79,6 +79,17 @@ def test_planning_without_a_readable_change_fails(text, problem):
         parse_planning(text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["Content: x\nChange：-3", "Content: x\n**Change:** [+5]", "Content: x\nChange: ＋３", "Change:\n +2"],
+)
+def test_strict_parsing_reasks_every_loose_layout(text):
+    parse_planning(text)  # readable by default
+    with pytest.raises(ParseFailure, match="exactly as 'Change: <signed integer>'"):
+        parse_planning(text, strict=True)
+    assert parse_planning("Content: x\nChange: -3", strict=True).change == -3
+
+
 def test_planning_fields_are_split():
     planning = parse_planning(
         "Content: asks about the bakery\nTargetCompletion: partly\nActivity: I soften\n"
@@ -136,7 +147,7 @@ def test_faults_are_retried_reasked_or_recorded_exactly_as_scheduled(monkeypatch
         ("Dee", "plan", 2): "no_change",
         ("Dee", "plan", 3): "no_change",
         ("Eve", "open", 1): "500",  # the generated opening is retried once
-        ("Fay", "plan", 1): "fullwidth",  # readable as it is: no re-ask
+        ("Fay", "plan", 1): "fullwidth",  # readable as it is: no re-ask (strict_parsing would re-ask)
         ("Gus", "plan", 1): "500",  # three failed attempts: a simulator error
         ("Gus", "plan", 2): "503",
         ("Gus", "plan", 3): "500",

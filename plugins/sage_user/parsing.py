@@ -126,10 +126,17 @@ def parse_change(value: str) -> int:
     return -int(digits) if sign == "-" else int(digits)
 
 
-def parse_planning(text: str) -> Planning:
+# The one layout strict parsing accepts: "Change: +4" on its own line, ASCII colon and digits.
+_STRICT_CHANGE = re.compile(r"^Change: ?[+-]?[0-9]+\s*$", re.MULTILINE)
+
+
+def parse_planning(text: str, *, strict: bool = False) -> Planning:
+    """Read a planning answer; `strict` re-asks anything but `Change: <signed integer>`."""
     fields = split_fields(text, PLANNING_FIELDS)
     if "Change" not in fields:
         raise ParseFailure("the 'Change:' field is missing")
+    if strict and not text.lstrip().startswith("{") and not _STRICT_CHANGE.search(text):
+        raise ParseFailure("the change must be written exactly as 'Change: <signed integer>' on its own line")
     return Planning(
         content=fields.get("Content", ""),
         target_completion=fields.get("TargetCompletion", ""),

@@ -16,6 +16,7 @@ out of the loss and counts it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import re
@@ -88,6 +89,7 @@ class SageUserSimulator(UserSimulator):
         cache_only: bool = False,
         response_format: str = "text",
         field_max_chars: int = 400,
+        strict_parsing: bool = False,
     ) -> None:
         """Configure the LLM-played user.
 
@@ -118,6 +120,11 @@ class SageUserSimulator(UserSimulator):
                 structured outputs force a JSON object with the same fields (OpenAI, vLLM and
                 SGLang servers support it), so even a small user model answers readably.
             field_max_chars: With json_schema, the longest each text field may be.
+            strict_parsing: Re-ask any change not written exactly as `Change: <signed integer>`
+                (the reference parser's expectation). By default readable variants (full-width
+                colons and digits, brackets, Markdown bold, the value on the next line) are read
+                as they are, saving a call; a missing field or words instead of a number are
+                re-asked either way.
         """
         problems = []
         if not base_url.startswith(("http://", "https://")):
@@ -153,6 +160,7 @@ class SageUserSimulator(UserSimulator):
             raise ValueError("sage simulator: " + "; ".join(problems))
         self.language = language
         self.json_fields = response_format == "json_schema"
+        self.parse_planning = functools.partial(parse_planning, strict=strict_parsing)
         self.field_max_chars = field_max_chars
         self.seed = seed
         self.max_reasks = max_reasks
@@ -325,7 +333,7 @@ class SageUserSession(UserSession):
         try:
             planning: Planning = await self.simulator.ask(
                 planning_messages(self.profile, self.difficulty, self.prompts, self._emotion, self.history),
-                parse_planning,
+                self.simulator.parse_planning,
                 self._seed("plan"),
                 stats,
                 planning_schema(self.difficulty, self.simulator.field_max_chars),
