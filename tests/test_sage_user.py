@@ -302,6 +302,19 @@ def test_success_ends_with_a_goodbye_and_difficulty_comes_from_the_profile():
     assert any("demanding" in s and "Ben" in s for s in systems)  # hard wording for the hard profile
     assert any("你在扮演" in s and "Cy" in s for s in systems)  # Chinese prompt set for a Chinese profile
     assert sessions[1].difficulty.name == "hard"
+    assert turns[1].change == 9.0  # hard: no clamp and, by default, no scaling of the model's change
+
+
+def test_scale_changes_applies_the_levels_scales():
+    with ScriptedServer(Script()) as server:
+        simulator = SageUserSimulator(
+            server.url, "scripted-user", difficulty="hard", scale_changes=True, **FAST
+        )
+        session = simulator.open(person("Ana"), seed=0)
+        simulator.opening_batch([session])
+        turn = simulator.respond_batch([session], [EMPATHIC])[0]
+        simulator.close()
+    assert turn.change == pytest.approx(9.0 * DIFFICULTIES["hard"].positive_scale)
 
 
 def test_json_schema_format_sends_schemas_and_reads_json_answers():

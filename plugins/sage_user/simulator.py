@@ -16,6 +16,7 @@ out of the loss and counts it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import os
@@ -90,6 +91,7 @@ class SageUserSimulator(UserSimulator):
         response_format: str = "text",
         field_max_chars: int = 400,
         strict_parsing: bool = False,
+        scale_changes: bool = False,
     ) -> None:
         """Configure the LLM-played user.
 
@@ -125,6 +127,10 @@ class SageUserSimulator(UserSimulator):
                 colons and digits, brackets, Markdown bold, the value on the next line) are read
                 as they are, saving a call; a missing field or words instead of a number are
                 re-asked either way.
+            scale_changes: Also multiply the model's change by the level's gain / loss scales
+                (as the embedded user does). Off by default: as in SAGE and the reference, the
+                LLM's change is taken as given and a level acts through its start, clamp, end
+                conditions and the persona's wording.
         """
         problems = []
         if not base_url.startswith(("http://", "https://")):
@@ -161,6 +167,7 @@ class SageUserSimulator(UserSimulator):
         self.language = language
         self.json_fields = response_format == "json_schema"
         self.parse_planning = functools.partial(parse_planning, strict=strict_parsing)
+        self.scale_changes = scale_changes
         self.field_max_chars = field_max_chars
         self.seed = seed
         self.max_reasks = max_reasks
@@ -339,7 +346,10 @@ class SageUserSession(UserSession):
                 planning_schema(self.difficulty, self.simulator.field_max_chars),
                 self.prompts,
             )
-            emotion, applied = apply_change(self._emotion, planning.change, self.difficulty)
+            mechanics = self.difficulty
+            if not self.simulator.scale_changes:
+                mechanics = dataclasses.replace(mechanics, positive_scale=1.0, negative_scale=1.0)
+            emotion, applied = apply_change(self._emotion, planning.change, mechanics)
             emotion, applied = round(emotion, 2), round(applied, 2)
             ending = termination(emotion, self.difficulty)
             answer: UserReply = await self.simulator.ask(
