@@ -225,6 +225,23 @@ def test_a_wrong_key_is_one_clear_error_without_the_key(monkeypatch):
         simulator.close()
 
 
+def test_a_pickled_simulator_rebuilds_its_client_and_never_carries_the_key(monkeypatch):
+    import pickle
+
+    monkeypatch.setenv("RLVER_TEST_USER_KEY", SECRET)
+    with ScriptedServer(Script(api_key=SECRET)) as server:
+        original = SageUserSimulator(server.url, "scripted-user", api_key_env="RLVER_TEST_USER_KEY", **FAST)
+        data = pickle.dumps(original)  # what a spawned training process receives
+        original.close()
+        assert SECRET.encode() not in data and b"RLVER_TEST_USER_KEY" in data
+        copy = pickle.loads(data)
+        session = copy.open(person("Ana"), seed=0)
+        copy.opening_batch([session])
+        turn = copy.respond_batch([session], [EMPATHIC])[0]
+        copy.close()
+    assert turn.change == 9.0 and turn.termination is None
+
+
 def test_missing_key_variable_and_bad_options_fail_at_construction(monkeypatch):
     monkeypatch.delenv("RLVER_NO_SUCH_KEY", raising=False)
     with pytest.raises(ValueError, match="api_key_env: the environment variable RLVER_NO_SUCH_KEY"):

@@ -132,6 +132,9 @@ class SageUserSimulator(UserSimulator):
                 LLM's change is taken as given and a level acts through its start, clamp, end
                 conditions and the persona's wording.
         """
+        # The options, for pickling: a copy in another process rebuilds its own client and
+        # loop and reads the key from its own environment (the key is never pickled).
+        self._options = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
         problems = []
         if not base_url.startswith(("http://", "https://")):
             problems.append(f"base_url ({base_url!r}) must start with http:// or https://")
@@ -189,6 +192,9 @@ class SageUserSimulator(UserSimulator):
         cache = ResponseCache(cache_path) if cache_path else None
         self.client = ChatClient(settings, api_key, self._loop, cache=cache, cache_only=cache_only)
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self._options,))
 
     def __repr__(self) -> str:  # never shows the key: it lives only in the HTTP client's headers
         settings = self.client.settings
@@ -411,3 +417,7 @@ def _shutdown(client: ChatClient, loop: LoopThread) -> None:
         client.close()
     finally:
         loop.stop()
+
+
+def _rebuild(options: dict[str, Any]) -> SageUserSimulator:
+    return SageUserSimulator(**options)
