@@ -20,12 +20,12 @@ the curriculum.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rlver.emotion import DIFFICULTIES
+from rlver.seeding import stable_hash
 from rlver.types import Profile
 
 FLAG = "--model.curriculum"
@@ -150,8 +150,7 @@ def _parse_mix(mix: Any, where: str) -> tuple[tuple[str, float], ...]:
 
 def _unit_hash(*parts: object) -> float:
     """A number in [0, 1) from `parts`; unlike hash(), not salted per process."""
-    digest = hashlib.sha256("\x1f".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+    return stable_hash(*parts) / 2**64
 
 
 def difficulty_metrics(

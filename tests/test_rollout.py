@@ -12,7 +12,7 @@ from rlver.transcripts import TranscriptWriter, read_transcripts
 from rlver.types import Profile, UserTurn
 
 
-def make_profile(pid, first_talk="My sister moved away and I feel lost."):
+def make_profile(pid, first_talk="My sister moved away and I feel lost.", **extra):
     return Profile(
         pid,
         "* Name: Ana",
@@ -21,6 +21,7 @@ def make_profile(pid, first_talk="My sister moved away and I feel lost."):
         ("a", "b", "c"),
         "You want deep empathy for what you feel, not shallow comfort.",
         first_talk=first_talk,
+        extra=extra,
     )
 
 

@@ -17,25 +17,13 @@ from rlver.score import (
     score_records,
 )
 from rlver.transcripts import SAGE_FIELDS, TranscriptWriter, read_transcripts, to_sage_record
-from rlver.types import Profile, UserTurn
+from rlver.types import UserTurn
 from tests.conftest import SHARED, run_cli
+from tests.test_rollout import make_profile
 
 SAGE_FILE = SHARED / "data" / "sage_transcripts_qwen2.5-72b.jsonl"
 needs_sage_file = pytest.mark.skipif(not SAGE_FILE.exists(), reason=f"{SAGE_FILE} is not there")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def make_profile(pid, **extra):
-    return Profile(
-        pid,
-        "* Name: Ana",
-        "A story.",
-        "passive",
-        ("a", "b", "c"),
-        "You want deep empathy for what you feel, not shallow comfort.",
-        first_talk="My sister moved away and I feel lost.",
-        extra=extra,
-    )
 
 
 def sage_reason(change):

@@ -10,12 +10,12 @@ record on `UserTurn.reason` is documented in `rubric.py`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import random
 from typing import Any
 
 from rlver.emotion import Difficulty, apply_change, band, profile_difficulty, resolve_difficulty, termination
 from rlver.interfaces import UserSession, UserSimulator
+from rlver.seeding import stable_hash
 from rlver.types import Profile, UserTurn
 
 from .rubric import Rubric, RubricSettings, TurnContext
@@ -25,12 +25,6 @@ from .voice import Voice
 SUPPORTED_LANGUAGES = ("en", "zh")
 # A reply that costs this much or more makes the user stop telling their story.
 WITHDRAW_BELOW = -3.0
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed that is the same in every process (Python's hash() is salted per run)."""
-    digest = hashlib.sha256("\x1f".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "big")
 
 
 class EmbeddedUserSimulator(UserSimulator):
@@ -101,7 +95,7 @@ class EmbeddedUserSimulator(UserSimulator):
             language = "en"
         settings = dataclasses.replace(self.settings, tolerance=difficulty.tolerance)
         rubric = Rubric(profile.theme, profile.personality, language, settings)
-        voice = Voice(profile, language, random.Random(stable_seed(self.seed, seed, profile.id)))
+        voice = Voice(profile, language, random.Random(stable_hash(self.seed, seed, profile.id)))
         return EmbeddedUserSession(profile, difficulty, rubric, voice, story_keywords(profile, language))
 
 

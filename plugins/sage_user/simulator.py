@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import os
 import re
 import weakref
@@ -28,6 +27,7 @@ from typing import Any
 
 from rlver.emotion import Difficulty, apply_change, band, profile_difficulty, resolve_difficulty, termination
 from rlver.interfaces import UserSession, UserSimulator
+from rlver.seeding import stable_hash
 from rlver.types import Profile, UserTurn
 
 from .client import ChatClient, EndpointError, EndpointSettings, LoopThread, ResponseCache
@@ -54,11 +54,6 @@ _GOODBYE = re.compile(r"\b(good\s?bye|bye)\b|再见|拜拜", re.IGNORECASE)
 def says_goodbye(text: str) -> bool:
     """Whether the user's message takes leave (English or Chinese)."""
     return _GOODBYE.search(text) is not None
-
-
-def _stable_seed(*parts: object) -> int:
-    digest = hashlib.sha256("\x1f".join(str(part) for part in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "big") >> 1  # a positive 31-bit seed every server accepts
 
 
 class _TurnFailed(Exception):
@@ -205,7 +200,9 @@ class SageUserSimulator(UserSimulator):
         language = self.language if self.language != "auto" else profile.language
         prompts = PROMPT_SETS.get(language, PROMPT_SETS["en"])
         difficulty = profile_difficulty(profile, self.difficulty)
-        return SageUserSession(self, profile, difficulty, prompts, _stable_seed(self.seed, seed, profile.id))
+        return SageUserSession(
+            self, profile, difficulty, prompts, stable_hash(self.seed, seed, profile.id) >> 33
+        )  # 31 bits: every server takes it
 
     def opening_batch(self, sessions: Sequence[UserSession]) -> list[UserTurn]:
         return self._loop.run(_gather([self._session(s).opening_async() for s in sessions]))
@@ -235,22 +232,23 @@ class SageUserSimulator(UserSimulator):
         parse: Any,
         seed: int,
         stats: Counter[str],
-        response_format: dict[str, Any] | None = None,
-        prompts: PromptSet | None = None,
+        prompts: PromptSet,
+        response_format: dict[str, Any],
     ) -> Any:
         """Call the endpoint and parse the answer, re-asking on parse failures (bounded).
 
         `response_format` (a JSON schema) is sent only when the simulator uses json_schema.
         """
-        if not self.json_fields:
-            response_format = None
-        elif response_format is not None and prompts is not None:
+        if self.json_fields:
             messages = with_json_hint(messages, response_format, prompts)
         conversation = list(messages)
         for attempt in range(self.max_reasks + 1):
             try:
                 answer = await self.client.complete(
-                    conversation, seed=seed + attempt, stats=stats, response_format=response_format
+                    conversation,
+                    seed=seed + attempt,
+                    stats=stats,
+                    response_format=response_format if self.json_fields else None,
                 )
             except EndpointError as error:
                 raise _TurnFailed(str(error)) from None
@@ -269,14 +267,9 @@ class SageUserSimulator(UserSimulator):
                 conversation = [
                     *messages,
                     {"role": "assistant", "content": answer},
-                    {"role": "user", "content": self._reask_text(messages, problem)},
+                    {"role": "user", "content": prompts.reask.format(problem=problem)},
                 ]
         raise AssertionError("unreachable")
-
-    @staticmethod
-    def _reask_text(messages: list[dict[str, str]], problem: str) -> str:
-        prompts = PROMPT_SETS["zh"] if "严格按" in messages[-1]["content"] else PROMPT_SETS["en"]
-        return prompts.reask.format(problem=problem)
 
 
 class SageUserSession(UserSession):
@@ -325,8 +318,8 @@ class SageUserSession(UserSession):
                     parse_reply,
                     self._seed("open"),
                     stats,
-                    opening_schema(self.simulator.field_max_chars),
                     self.prompts,
+                    opening_schema(self.simulator.field_max_chars),
                 )
             except _TurnFailed as failure:
                 return self._fail(str(failure), stats, opening=True)
@@ -349,8 +342,8 @@ class SageUserSession(UserSession):
                 self.simulator.parse_planning,
                 self._seed("plan"),
                 stats,
-                planning_schema(self.difficulty, self.simulator.field_max_chars),
                 self.prompts,
+                planning_schema(self.difficulty, self.simulator.field_max_chars),
             )
             mechanics = self.difficulty
             if not self.simulator.scale_changes:
@@ -371,8 +364,8 @@ class SageUserSession(UserSession):
                 parse_reply,
                 self._seed("reply"),
                 stats,
-                reply_schema(self.simulator.field_max_chars),
                 self.prompts,
+                reply_schema(self.simulator.field_max_chars),
             )
         except _TurnFailed as failure:
             return self._fail(str(failure), stats)
