@@ -272,7 +272,7 @@ rlver {__version__}: RL for empathetic chat models with verifiable emotion rewar
 commands:
   fit        train (PPO or GRPO) with a recipe: rlver fit --config recipes/quickstart.yaml
   validate   run validation dialogues with a model or checkpoint
-  test       run test dialogues with a model or checkpoint
+  test       run test dialogues (Sentient: SAGE records and Score / Success / Failure)
   rollout    run dialogues, write transcripts, print a summary
   export     write a checkpoint's policy as a Hugging Face folder
   score      score transcript files (Sentient benchmark): leaderboard and emotion plot
