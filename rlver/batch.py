@@ -106,3 +106,24 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     # gather - logsumexp avoids materialising a second (S, L, V) tensor of log-probs.
     picked = logits.gather(2, input_ids[:, 1:, None]).squeeze(2) - torch.logsumexp(logits, dim=-1)
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+def placeholder_batch(pad_id: int) -> RolloutBatch:
+    """A one-sequence batch with nothing to learn (every loss mask 0).
+
+    A rank whose dialogues all ended before the policy spoke still has to run the
+    step's collectives (advantage statistics, gradient all-reduces) with the others;
+    it does so on this batch, whose dialogue is marked invalid.
+    """
+    ids = torch.full((1, 2), pad_id, dtype=torch.long)
+    zeros = torch.zeros((1, 2), dtype=torch.long)
+    return RolloutBatch(
+        input_ids=ids,
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        loss_mask=zeros,
+        engine_logprobs=torch.zeros((1, 2), dtype=torch.float32),
+        sequence_dialogue=torch.zeros(1, dtype=torch.long),
+        timeline_seq=torch.zeros((1, 1), dtype=torch.long),
+        timeline_pos=torch.ones((1, 1), dtype=torch.long),
+        timeline_mask=torch.ones((1, 1), dtype=torch.long),
+    )

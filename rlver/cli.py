@@ -119,7 +119,8 @@ def rollout_command(argv: Sequence[str]) -> int:
         profiles = profiles[: cfg.limit]
     runner = build_runner(cfg.model, _resolve_device(cfg.device), ckpt=cfg.ckpt)
     dialogues = [p for p in profiles for _ in range(cfg.repeat)]
-    batch_size = cfg.batch_size
+    # Whole groups per engine batch: a group's members share their opening.
+    batch_size = -(-cfg.batch_size // cfg.repeat) * cfg.repeat
     trajectories = []
     with TranscriptWriter(cfg.out) as writer, tqdm(total=len(dialogues), desc="dialogues", unit="dlg") as bar:
         for start in range(0, len(dialogues), batch_size):
@@ -131,7 +132,9 @@ def rollout_command(argv: Sequence[str]) -> int:
                 bar.set_postfix(turn=turn)
                 bar.refresh()
 
-            results = runner.run(batch, seed=runner.settings.seed + start, on_turn=progress)
+            results = runner.run(
+                batch, seed=runner.settings.seed + start, group_size=cfg.repeat, on_turn=progress
+            )
             bar.n = finished_before + len(batch)
             bar.refresh()
             writer.write(results)

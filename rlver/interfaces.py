@@ -7,7 +7,7 @@ are the options a config may set; `rlver.plugins.build` checks them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,16 @@ class UserSession(ABC):
     @abstractmethod
     def emotion(self) -> float:
         """The current emotion score, 0-100."""
+
+    def adopt_opening(self, turn: UserTurn) -> None:
+        """Start from `turn`, the opening another session of the same group wrote.
+
+        GRPO compares the members of a group, so they must face the same user saying the
+        same first line; the rollout asks the group's first session for its opening and
+        hands it to the others. Sessions that cannot adopt one raise NotImplementedError
+        and are asked for their own (with the group's shared seed).
+        """
+        raise NotImplementedError
 
 
 class UserSimulator(ABC):
@@ -158,12 +168,29 @@ class AdvantageBatch:
     values: (D, T) critic values, or None when no critic is trained.
     mask: (D, T) 1 on real timeline positions.
     group_ids: (D,) dialogues sharing a profile and opening share an id.
+    valid: (D,) bool, False for dialogues that must not shape the estimate (ended by a
+        simulator error, or a placeholder on a rank with nothing to train); None: all valid.
+        Their advantages are ignored by the loss, and they must stay out of any statistic.
+    reduce_sum: sums a tensor over every rank of the step (identity in one process). A
+        statistic over "the batch" (e.g. whitening) must be computed with it, so that it is
+        the statistic of the whole step and every rank agrees; all ranks call it equally often.
     """
 
     token_rewards: Any
     values: Any
     mask: Any
     group_ids: Any
+    valid: Any = None
+    reduce_sum: Callable[[Any], Any] | None = None
+
+    def valid_mask(self) -> Any:
+        """(D, T) mask of the positions that count: `mask` on valid dialogues only."""
+        if self.valid is None:
+            return self.mask
+        return self.mask * self.valid[:, None].to(self.mask.dtype)
+
+    def global_sum(self, tensor: Any) -> Any:
+        return tensor if self.reduce_sum is None else self.reduce_sum(tensor)
 
 
 @dataclass

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from rlver.batch import RolloutBatch, build_batch, token_logprobs
+from rlver.batch import RolloutBatch, build_batch, placeholder_batch, token_logprobs
 from rlver.critic import ValueModel
 from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
 from rlver.interfaces import AdvantageBatch
@@ -339,7 +341,9 @@ class RLVERModule(L.LightningModule):
         # 2. roll out the dialogues with the engine plugin
         rollout_started = time.perf_counter()
         with self._generation_weights():
-            trajectories = self.runner.run(dialogues, seed=self._rollout_seed(step))
+            trajectories = self.runner.run(
+                dialogues, seed=self._rollout_seed(step), group_size=self.hparams.group_size
+            )
         rollout_seconds = time.perf_counter() - rollout_started
         release_memory = getattr(self.runner.engine, "release_memory", None)
         if release_memory is not None:
@@ -349,41 +353,45 @@ class RLVERModule(L.LightningModule):
         metrics = self._rollout_metrics(trajectories, prefix="rollout")
         if self.curriculum is not None:
             metrics.update(self._difficulty_metrics(trajectories))
-        # A dialogue the simulator failed on stays in the batch (every rank must run the same
-        # collectives) but is left out of the loss: its own group id keeps it out of GRPO's
-        # baselines, and its loss mask is zeroed below.
+        # A dialogue the simulator failed on stays in the batch but is invalid: out of the
+        # loss, of GRPO's baselines and of any whitening statistics. A rank left with nothing
+        # trains on a placeholder, so every rank runs the step's collectives the same way.
         with_turns = [i for i, t in enumerate(trajectories) if t.num_turns > 0]
         kept = [trajectories[i] for i in with_turns]
-        failed = torch.tensor([t.termination == "simulator_error" for t in kept], dtype=torch.bool)
         metrics["rollout/simulator_errors"] = float(
             sum(t.termination == "simulator_error" for t in trajectories)
         )
         metrics.update(self._simulator_metrics())
-        if not kept:
-            self._log_metrics(metrics)
-            return
-        group_ids = group_ids[with_turns]
-        group_ids[failed] = -1 - torch.arange(int(failed.sum()))
 
         # 3. score the dialogues with the reward plugins (weighted sum)
-        dialogue_rewards = self._score(kept, metrics)
+        update_started = time.perf_counter()
+        if kept:
+            valid = torch.tensor([t.termination != "simulator_error" for t in kept], dtype=torch.bool)
+            dialogue_rewards = self._score(kept, metrics)
+            rollout_batch = build_batch(kept, pad_id=self.tokenizer.pad_token_id)
+            group_ids = group_ids[with_turns]
+        else:
+            valid = torch.zeros(1, dtype=torch.bool)
+            dialogue_rewards = torch.zeros(1)
+            rollout_batch = placeholder_batch(self.tokenizer.pad_token_id)
+            group_ids = torch.zeros(1, dtype=torch.long)
+        rollout_batch.loss_mask[~valid[rollout_batch.sequence_dialogue]] = 0
 
         # 4. old log-probs from the sampled ids, reference log-probs and values
-        update_started = time.perf_counter()
-        rollout_batch = build_batch(kept, pad_id=self.tokenizer.pad_token_id)
-        rollout_batch.loss_mask[failed[rollout_batch.sequence_dialogue]] = 0
         rollout_batch = rollout_batch.to(self.device)
         old_logprobs, ref_logprobs, old_values = self._score_tokens(rollout_batch)
         mask = rollout_batch.loss_mask
-        gap = ((old_logprobs - rollout_batch.engine_logprobs).abs() * mask).max()
-        metrics["rollout/logprob_gap"] = gap.item()
+        if mask.any():
+            gap = ((old_logprobs - rollout_batch.engine_logprobs).abs() * mask).max()
+            metrics["rollout/logprob_gap"] = gap.item()
 
-        # 5. advantages on per-dialogue timelines
+        # 5. advantages on per-dialogue timelines, statistics over every rank's dialogues
         timeline_mask = rollout_batch.timeline_mask
         token_rewards = terminal_rewards(dialogue_rewards.to(self.device), timeline_mask)
         if ref_logprobs is not None:
             kl = kl_estimate(old_logprobs, ref_logprobs, self.ppo.kl_estimator)
-            metrics["ppo/kl"] = masked_mean(kl, mask).item()
+            if mask.any():
+                metrics["ppo/kl"] = masked_mean(kl, mask).item()
             if self.ppo.kl_mode == "in-reward":
                 token_rewards = token_rewards - self.ppo.kl_coef * rollout_batch.to_timeline(kl)
         result = self.advantage_estimator(
@@ -392,15 +400,18 @@ class RLVERModule(L.LightningModule):
                 values=rollout_batch.to_timeline(old_values) if old_values is not None else None,
                 mask=timeline_mask,
                 group_ids=group_ids.to(self.device),
+                valid=valid.to(self.device),
+                reduce_sum=self._reduce_sum,
             )
         )
-        advantages = rollout_batch.to_sequences(result.advantages)
+        advantages = rollout_batch.to_sequences(result.advantages) * mask
         returns = rollout_batch.to_sequences(result.returns) if result.returns is not None else None
         metrics.update(result.metrics)
-        metrics["advantage/mean"] = masked_mean(advantages, mask).item()
-        metrics["advantage/abs_mean"] = masked_mean(advantages.abs(), mask).item()
-        if returns is not None and old_values is not None:
-            metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask).item()
+        if mask.any():
+            metrics["advantage/mean"] = masked_mean(advantages, mask).item()
+            metrics["advantage/abs_mean"] = masked_mean(advantages.abs(), mask).item()
+            if returns is not None and old_values is not None:
+                metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask).item()
 
         # 6. PPO epochs over minibatches
         metrics.update(
@@ -479,6 +490,15 @@ class RLVERModule(L.LightningModule):
         returns: torch.Tensor | None,
         step: int,
     ) -> dict[str, float]:
+        """PPO epochs over minibatches, every rank in lockstep.
+
+        Ranks hold different numbers of sequences (dialogues end at different turns), but
+        gradient all-reduces are collectives: every rank runs the same number of optimizer
+        steps and of backward passes, padding with empty micro-batches. Each micro-batch's
+        loss is weighted by its share of the tokens (or sequences) of the whole step's
+        minibatch, so the synchronised gradient equals that of one process holding every
+        rank's dialogues.
+        """
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
         schedulers = self.lr_schedulers()
@@ -487,6 +507,7 @@ class RLVERModule(L.LightningModule):
         critic_optimizer = optimizers[1] if len(optimizers) > 1 else None
         settings = self.ppo
         temperature = self.rollout_settings.temperature or 1.0
+        world = self.trainer.world_size if self._trainer is not None else 1
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -495,30 +516,37 @@ class RLVERModule(L.LightningModule):
             counts[name] = counts.get(name, 0) + 1
 
         count = batch.num_sequences
-        minibatch = settings.minibatch_size or count
+        most = int(self._reduce_max(count))  # sequences on the fullest rank
+        minibatch = settings.minibatch_size or most
+        slots = -(-most // minibatch)  # minibatches per epoch, the same on every rank
         generator = torch.Generator().manual_seed(step)
         minibatches = []
         for _ in range(settings.ppo_epochs):  # a fresh shuffle per epoch, cut into minibatches
             order = torch.randperm(count, generator=generator).tolist()
-            minibatches.extend(order[start : start + minibatch] for start in range(0, count, minibatch))
+            minibatches.extend(order[start * minibatch : (start + 1) * minibatch] for start in range(slots))
+        token_mean = settings.loss_aggregation == "token-mean"
         for number, rows in enumerate(minibatches):
             last = number == len(minibatches) - 1
-            tokens_in_minibatch = batch.loss_mask[rows].sum().clamp(min=1)
+            local_size = float(batch.loss_mask[rows].sum()) if token_mean else float(len(rows))
+            # The whole step's minibatch size, and the micro-batch count every rank runs.
+            global_size = max(float(self._reduce_sum(torch.tensor(local_size, device=self.device))), 1.0)
+            micro_steps = int(self._reduce_max(-(-len(rows) // settings.micro_batch_size)))
             actor_optimizer.zero_grad()
             if critic_optimizer is not None:
                 critic_optimizer.zero_grad()
-            for micro in self._micro_batches(rows):
+            micro_batches = list(self._micro_batches(rows))
+            micro_batches += [[]] * (micro_steps - len(micro_batches))
+            for index, micro in enumerate(micro_batches):
+                empty = not micro
+                micro = micro or [0]  # an empty slot runs sequence 0 with weight 0 for the collectives
                 ids, attention, mask = (
                     batch.input_ids[micro],
                     batch.attention_mask[micro],
                     batch.loss_mask[micro],
                 )
-                # Micro-batch losses are weighted so their sum equals the minibatch's aggregated loss.
-                weight = (
-                    mask.sum() / tokens_in_minibatch
-                    if settings.loss_aggregation == "token-mean"
-                    else torch.tensor(len(micro) / len(rows))
-                )
+                local = float(mask.sum()) if token_mean else float(len(micro))
+                # DDP averages gradients over ranks; the world factor turns that into a sum.
+                weight = 0.0 if empty else local / global_size * world
                 loss, stats = actor_loss(
                     self.policy_model,
                     ids,
@@ -530,9 +558,7 @@ class RLVERModule(L.LightningModule):
                     settings,
                     temperature,
                 )
-                self.manual_backward(loss * weight)
-                for name, value in stats.items():
-                    record(f"ppo/{name}", value)
+                loss = loss * weight
                 if self.value_model is not None and returns is not None and old_values is not None:
                     values = self.value_model(ids, attention)
                     value_loss, value_stats = clipped_value_loss(
@@ -543,9 +569,16 @@ class RLVERModule(L.LightningModule):
                         settings.value_clip,
                         settings.loss_aggregation,
                     )
-                    self.manual_backward(value_loss * weight)
-                    record("ppo/value_loss", value_loss.item())
-                    record("ppo/value_clip_fraction", value_stats["value_clip_fraction"].item())
+                    # One backward for both networks: one gradient synchronisation per micro-batch.
+                    loss = loss + value_loss * weight
+                    if not empty and mask.any():
+                        record("ppo/value_loss", value_loss.item())
+                        record("ppo/value_clip_fraction", value_stats["value_clip_fraction"].item())
+                if not empty and mask.any():
+                    for name, value in stats.items():
+                        record(f"ppo/{name}", value)
+                with self._gradient_sync(index == len(micro_batches) - 1):
+                    self.manual_backward(loss)
             record("ppo/grad_norm", self._clip(self.policy_model))
             self._step(actor_optimizer, counts_as_global_step=last)
             if critic_optimizer is not None:
@@ -559,6 +592,30 @@ class RLVERModule(L.LightningModule):
             metrics["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
         metrics["ppo/minibatches"] = float(len(minibatches))
         return metrics
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Skip the DDP gradient all-reduce on all but a minibatch's last backward."""
+        wrapped = self.trainer.strategy.model if self._trainer is not None else None
+        no_sync = getattr(wrapped, "no_sync", None)
+        if sync or no_sync is None or not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            yield
+        else:
+            with no_sync():
+                yield
+
+    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over all ranks (the tensor itself in one process)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return tensor
+        return self.trainer.strategy.reduce(tensor.clone(), reduce_op="sum")
+
+    def _reduce_max(self, value: float) -> float:
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        tensor = torch.tensor([float(value)], device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return float(tensor.item())
 
     def _micro_batches(self, rows: Sequence[int] | range) -> Iterator[list[int]]:
         rows = list(rows)
@@ -633,12 +690,29 @@ class RLVERModule(L.LightningModule):
         )
 
     def _log_metrics(self, metrics: Mapping[str, float], **kwargs: Any) -> None:
-        finite = {
-            k: float(v) for k, v in metrics.items() if v == v
-        }  # drop NaN (e.g. explained variance of constants)
+        """Log metrics of all ranks' dialogues, whatever keys each rank has.
+
+        Ranks may report different keys (a rank whose dialogues all failed has no
+        losses; simulators count only what happened), and per-key synchronisation
+        would then hang. One gather merges them instead: counters are summed, the
+        rest averaged over the ranks that report them.
+        """
+        finite = {name: float(value) for name, value in metrics.items() if math.isfinite(value)}
+        merged = merge_rank_metrics(self._gather_objects(finite))
         show = {"rollout/final_emotion", "reward/total", "val/final_emotion"}
-        for name, value in finite.items():
-            self.log(name, value, prog_bar=name in show, sync_dist=True, batch_size=1, **kwargs)
+        with warnings.catch_warnings():
+            # Values are already identical on every rank; Lightning's advice to sync them is moot.
+            warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
+            for name, value in merged.items():
+                self.log(name, value, prog_bar=name in show, sync_dist=False, batch_size=1, **kwargs)
+
+    def _gather_objects(self, value: Any) -> list[Any]:
+        """`value` from every rank, in rank order ([value] in one process)."""
+        if self._trainer is None or self.trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return [value]
+        gathered: list[Any] = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(gathered, value)
+        return gathered
 
     def _log_dir(self) -> Path | None:
         if self._trainer is None:
@@ -833,3 +907,18 @@ def _emotion_figure(trajectories: Sequence[Trajectory]):
     axes.set_ylim(0, 100)
     figure.tight_layout()
     return figure
+
+
+# Metrics that count events: summed over ranks, not averaged.
+SUMMED_METRICS = ("rollout/simulator_errors", "val/simulator_errors", "test/simulator_errors")
+SUMMED_PREFIXES = ("simulator/", "advantage/degenerate_groups")
+
+
+def merge_rank_metrics(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One metrics dict from every rank's: counters summed, others averaged where reported."""
+    merged: dict[str, float] = {}
+    for name in sorted({name for metrics in per_rank for name in metrics}):
+        values = [metrics[name] for metrics in per_rank if name in metrics]
+        summed = name in SUMMED_METRICS or name.startswith(SUMMED_PREFIXES)
+        merged[name] = sum(values) if summed else sum(values) / len(values)
+    return merged

@@ -276,20 +276,32 @@ class RolloutRunner:
         profiles: Sequence[Profile],
         *,
         seed: int | None = None,
+        group_size: int = 1,
         on_turn: Callable[[int, int], None] | None = None,
     ) -> list[Trajectory]:
-        """Run one dialogue per profile (repeat a profile to get a group). Order is kept.
+        """Run one dialogue per profile. Order is kept.
 
-        on_turn(turn, active) is called after every turn, for progress display.
+        Each run of `group_size` consecutive profiles is a group (GRPO's n dialogues of
+        one profile): its members face the same user (one simulator seed) with the same
+        opening line, written once; the policy samples each member's replies with its own
+        seed. on_turn(turn, active) is called after every turn, for progress display.
         """
+        if group_size < 1 or len(profiles) % group_size:
+            raise ValueError(f"{len(profiles)} profiles do not split into groups of {group_size}")
         base_seed = self.settings.seed if seed is None else seed
         self.timings = {"generate": 0.0, "simulator": 0.0}
         seeds = [dialogue_seed(base_seed, profile.id, i) for i, profile in enumerate(profiles)]
+        leaders = range(0, len(profiles), group_size)
+        for leader in leaders:
+            members = profiles[leader : leader + group_size]
+            if any(member.id != members[0].id for member in members):
+                raise ValueError(f"group at {leader} mixes profiles {sorted({m.id for m in members})}")
         sessions = [
-            self.simulator.open(profile, seed=seed) for profile, seed in zip(profiles, seeds, strict=True)
+            self.simulator.open(profile, seed=seeds[index - index % group_size])
+            for index, profile in enumerate(profiles)
         ]
         started = time.perf_counter()
-        openings = self.simulator.opening_batch(sessions) if sessions else []
+        openings = self._openings(sessions, group_size)
         self.timings["simulator"] += time.perf_counter() - started
         dialogues = [
             self._open(session, seed, opening)
@@ -333,6 +345,29 @@ class RolloutRunner:
             if on_turn is not None:
                 on_turn(turn + 1, len(active))
         return [d.trajectory for d in dialogues]
+
+    def _openings(self, sessions: Sequence[UserSession], group_size: int) -> list[UserTurn]:
+        """Each group's first session writes the opening; the others adopt it."""
+        if not sessions:
+            return []
+        leaders = list(range(0, len(sessions), group_size))
+        written = self.simulator.opening_batch([sessions[i] for i in leaders])
+        openings: list[UserTurn | None] = [None] * len(sessions)
+        own: list[int] = []  # sessions that cannot adopt an opening write their own
+        for leader, opening in zip(leaders, written, strict=True):
+            openings[leader] = opening
+            for index in range(leader + 1, leader + group_size):
+                try:
+                    sessions[index].adopt_opening(opening)
+                    openings[index] = opening
+                except NotImplementedError:
+                    own.append(index)
+        if own:
+            for index, opening in zip(
+                own, self.simulator.opening_batch([sessions[i] for i in own]), strict=True
+            ):
+                openings[index] = opening
+        return [opening for opening in openings if opening is not None]
 
     def _open(self, session: UserSession, seed: int, opening: UserTurn) -> _Dialogue:
         profile = session.profile

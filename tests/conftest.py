@@ -35,3 +35,41 @@ def run_cli(*args, env=None, check=False):
         check=check,
         env=None if env is None else {**os.environ, **env},
     )
+
+
+def make_tiny_model(folder):
+    """A 2-layer Llama with the embedded model's tokenizer, chat template and generation config.
+
+    Random weights, a few MB: multi-process and recipe tests exercise the machinery
+    (collectives, checkpoints, engines) without paying for the 135M model's maths.
+    """
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from rlver.models import resolve_model_path
+
+    source = resolve_model_path("smollm2-135m-instruct")
+    base = LlamaConfig.from_pretrained(source)
+    config = LlamaConfig(
+        vocab_size=base.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    GenerationConfig.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

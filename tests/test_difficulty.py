@@ -282,7 +282,7 @@ class _StopAfterRollout(Exception):
 class _RecordingRunner:
     """Stands in for the RolloutRunner: records the dialogues training_step asks for, then stops."""
 
-    def run(self, dialogues, seed):
+    def run(self, dialogues, seed, group_size=1):
         self.dialogues = list(dialogues)
         raise _StopAfterRollout
 

@@ -7,7 +7,6 @@ import torch
 from rlver import hookimpl
 from rlver.interfaces import AdvantageBatch, AdvantageEstimator, AdvantageResult
 from rlver.rl.advantages import gae, group_normalized
-from rlver.rl.losses import masked_mean
 
 
 class GAEEstimator(AdvantageEstimator):
@@ -20,7 +19,9 @@ class GAEEstimator(AdvantageEstimator):
     Args:
         gamma: Discount per policy token.
         lam: GAE lambda.
-        whiten: Normalise advantages to zero mean, unit variance over the batch's tokens.
+        whiten: Normalise advantages to zero mean, unit variance over the tokens of the whole
+            step: every rank's valid dialogues (failed ones are left out). With one dialogue per
+            rank (the paper's PPO recipes) a per-rank statistic would cancel the reward.
     """
 
     requires_critic = True
@@ -36,11 +37,19 @@ class GAEEstimator(AdvantageEstimator):
         if batch.values is None:
             raise ValueError("the gae estimator needs critic values")
         advantages, returns = gae(batch.token_rewards, batch.values, batch.mask, self.gamma, self.lam)
+        counted = batch.valid_mask().to(advantages.dtype)
         if self.whiten:
-            mean = masked_mean(advantages, batch.mask)
-            std = masked_mean((advantages - mean) ** 2, batch.mask).sqrt()
-            advantages = (advantages - mean) / (std + 1e-8) * batch.mask
-        return AdvantageResult(advantages=advantages, returns=returns)
+            # One all-reduce of (count, sum, sum of squares): the step's mean and variance.
+            totals = batch.global_sum(
+                torch.stack(
+                    [counted.sum(), (advantages * counted).sum(), (advantages.square() * counted).sum()]
+                )
+            )
+            count = totals[0].clamp(min=1)
+            mean = totals[1] / count
+            variance = (totals[2] / count - mean.square()).clamp(min=0)
+            advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
+        return AdvantageResult(advantages=advantages * counted, returns=returns)
 
 
 class GRPOEstimator(AdvantageEstimator):
@@ -64,13 +73,18 @@ class GRPOEstimator(AdvantageEstimator):
 
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
         scores = (batch.token_rewards * batch.mask).sum(dim=1)
-        per_dialogue, degenerate = group_normalized(
-            scores, batch.group_ids, scale_by_std=self.scale_by_std, eps=self.eps
+        valid = batch.valid if batch.valid is not None else torch.ones_like(scores, dtype=torch.bool)
+        # Groups are whole on one rank, so the baseline needs no other rank; an invalid
+        # dialogue (failed simulator) is neither scored nor part of its group's baseline.
+        group_ids = batch.group_ids[valid]
+        per_dialogue = torch.zeros_like(scores)
+        per_dialogue[valid], degenerate = group_normalized(
+            scores[valid], group_ids, scale_by_std=self.scale_by_std, eps=self.eps
         )
-        groups = torch.unique(batch.group_ids)
-        degenerate_groups = torch.unique(batch.group_ids[degenerate]).numel()
+        groups = torch.unique(group_ids)
+        degenerate_groups = torch.unique(group_ids[degenerate]).numel()
         return AdvantageResult(
-            advantages=per_dialogue[:, None] * batch.mask.to(per_dialogue.dtype),
+            advantages=per_dialogue[:, None] * batch.valid_mask().to(per_dialogue.dtype),
             metrics={
                 "advantage/degenerate_groups": float(degenerate_groups),
                 "advantage/degenerate_group_fraction": degenerate_groups / max(groups.numel(), 1),

@@ -127,6 +127,13 @@ class EmbeddedUserSession(UserSession):
             self._opening = UserTurn(text=text, emotion=self._emotion, reason={"analysis": "opening line"})
         return self._opening
 
+    def adopt_opening(self, turn: UserTurn) -> None:
+        # The embedded user's opening is a function of its seed, which a group shares: write
+        # our own (it keeps the voice's random stream in step) and check it is the same line.
+        own = self.opening()
+        if own.text != turn.text:
+            raise ValueError(f"profile {self.profile.id}: group members opened differently")
+
     def respond(self, reply: str) -> UserTurn:
         if self._ended:
             raise RuntimeError(f"profile {self.profile.id}: the dialogue already ended ({self._ended})")

@@ -328,6 +328,15 @@ class SageUserSession(UserSession):
         self._opening = UserTurn(text=text, emotion=self._emotion, reason={**reason, **stats})
         return self._opening
 
+    def adopt_opening(self, turn: UserTurn) -> None:
+        if self._opening is not None:
+            raise RuntimeError(f"profile {self.profile.id}: this session already has its opening")
+        self._opening = turn
+        if turn.termination == SIMULATOR_ERROR:
+            self._ended = SIMULATOR_ERROR
+        else:
+            self.history.append(("user", turn.text))
+
     async def respond_async(self, reply: str) -> UserTurn:
         if self._ended:
             raise RuntimeError(f"profile {self.profile.id}: the dialogue already ended ({self._ended})")

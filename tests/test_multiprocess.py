@@ -1,0 +1,294 @@
+"""Several processes: the paper's recipes as miniature twins under 2-process DDP (gloo, CPU).
+
+A twin is the recipe file itself with only the model (a tiny random Llama with the
+embedded tokenizer, float32, short dialogues), the step count, devices/accelerator/
+strategy/precision and the simulator endpoint (the scripted OpenAI-compatible server
+on 127.0.0.1) changed; `twin_config` asserts that nothing else was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+from tests.conftest import OFFICIAL_SAMPLE, REPO
+
+pytestmark = pytest.mark.slow
+
+PAPER_RECIPES = ["ppo_think", "ppo_nothink", "grpo_think", "grpo_nothink", "env_normal", "env_hard"]
+TWIN_KEYS = {  # what a twin may change; everything else in the recipe stays as it is
+    "trainer": {"accelerator", "devices", "num_nodes", "strategy", "precision", "max_steps", "callbacks"},
+    "model": {"policy", "dtype", "simulator", "rollout", "engine"},
+}
+API_KEY = "sk-twin-test-not-a-secret"
+
+
+def twin_config(recipe: str, workdir: Path, model_dir: Path, server_url: str, *, steps=2, devices=2):
+    """The recipe with the twin's overrides, written into `workdir` (runs/ lands there too)."""
+    original = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text())
+    config = json.loads(json.dumps(original))
+    trainer, model = config["trainer"], config["model"]
+    trainer.update(accelerator="cpu", devices=devices, num_nodes=1, precision="32-true", max_steps=steps)
+    trainer["strategy"] = "ddp" if devices > 1 else "auto"
+    trainer["callbacks"] = [
+        *trainer.get("callbacks", []),
+        {"class_path": "tests.probes.WeightDigest", "init_args": {"out_dir": str(workdir / "digests")}},
+    ]
+    model.update(policy=str(model_dir), dtype="float32")
+    if isinstance(model.get("engine"), dict) and model["engine"].get("name") == "vllm":
+        model["engine"] = "hf"  # vLLM's own tests cover it; a twin checks the recipe, not the engine
+    if isinstance(model["simulator"], dict) and model["simulator"].get("name") == "sage":
+        model["simulator"] = {**model["simulator"], "base_url": server_url, "timeout": 5}
+    model["rollout"] = {**model.get("rollout", {}), "max_turns": 2, "max_new_tokens": 16}
+    model["rollout"]["max_context_tokens"] = 1024
+    for section, allowed in TWIN_KEYS.items():
+        changed = {
+            k
+            for k in {*original[section], *config[section]}
+            if original[section].get(k) != config[section].get(k)
+        }
+        assert changed <= allowed, changed - allowed
+    assert {k: v for k, v in config.items() if k not in TWIN_KEYS} == {
+        k: v for k, v in original.items() if k not in TWIN_KEYS
+    }
+    path = workdir / f"{recipe}.twin.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+    return path
+
+
+def lay_out_data(workdir: Path) -> None:
+    """The recipes read data/rlver/*.jsonl: the official sample where ../shared has it."""
+    folder = workdir / "data" / "rlver"
+    folder.mkdir(parents=True, exist_ok=True)
+    if OFFICIAL_SAMPLE.is_file():
+        shutil.copy(OFFICIAL_SAMPLE, folder / "train_profile.jsonl")
+        shutil.copy(OFFICIAL_SAMPLE, folder / "test_profile.jsonl")
+    else:  # a clone without ../shared: the bundled English profiles, in the same format
+        for split, name in (("train", "en_train"), ("test", "en_test")):
+            shutil.copy(
+                REPO / "rlver" / "data" / "profiles" / f"{name}.jsonl", folder / f"{split}_profile.jsonl"
+            )
+
+
+def run_fit(workdir: Path, *args, timeout=600):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY}
+    result = subprocess.run(
+        [sys.executable, "-m", "rlver.cli", "fit", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=workdir,
+        env=env,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def digests(workdir: Path, ranks=2):
+    return [json.loads((workdir / "digests" / f"digest_rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def read_scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return {tag: [e.value for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+@pytest.fixture
+def server():
+    with ScriptedServer(Script()) as running:
+        yield running
+
+
+# --------------------------------------------------------------------------- whitening over ranks
+def _whiten_on_rank(rank, port, out, rewards, values):
+    import torch.distributed as dist
+    from rlver_plugins.advantages import GAEEstimator
+
+    from rlver.interfaces import AdvantageBatch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    def reduce_sum(tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    mask = torch.ones(1, len(values[rank]), dtype=torch.long)
+    token_rewards = torch.zeros(1, len(values[rank]))
+    token_rewards[0, -1] = rewards[rank]
+    batch = AdvantageBatch(token_rewards, torch.tensor([values[rank]]), mask, torch.tensor([0]))
+    batch.reduce_sum = reduce_sum
+    torch.save(GAEEstimator()(batch).advantages, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def whiten_on_two_ranks(tmp_path, rewards, values):
+    context = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    workers = [
+        context.Process(target=_whiten_on_rank, args=(rank, port, str(tmp_path), rewards, values))
+        for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+        if worker.is_alive():
+            worker.terminate()
+            pytest.fail("a rank hung")
+        assert worker.exitcode == 0
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+
+
+def test_ppo_advantages_whitened_over_two_ranks_equal_one_process(tmp_path):
+    """One dialogue per rank, as in the paper's PPO recipes: the reward must survive whitening."""
+    from rlver_plugins.advantages import GAEEstimator
+
+    from rlver.interfaces import AdvantageBatch
+
+    values = [[0.1, 0.3, 0.2], [0.2, 0.1, 0.4]]
+    split = whiten_on_two_ranks(tmp_path, [0.0, 1.0], values)
+    token_rewards = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    together = GAEEstimator()(AdvantageBatch(token_rewards, torch.tensor(values), torch.ones(2, 3), None))
+    assert torch.allclose(torch.cat(split), together.advantages, atol=1e-6)
+    # The rewarded dialogue's tokens are pushed up, the unrewarded one's down.
+    assert (split[1] > 0).all() and (split[0] < 0).all()
+
+
+# --------------------------------------------------------------------------- the recipes' twins
+@pytest.mark.parametrize("recipe", PAPER_RECIPES)
+def test_paper_recipe_twin_trains_on_two_processes(recipe, tmp_path, tiny_model_dir, server):
+    lay_out_data(tmp_path)
+    config = twin_config(recipe, tmp_path, tiny_model_dir, server.url)
+    run_fit(tmp_path, "--config", config)
+    per_rank = digests(tmp_path)
+    assert [d["step"] for d in per_rank] == [2, 2]
+    # DDP kept the replicas identical: every tensor, policy and critic alike.
+    assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
+    assert any(name.startswith("value_model.") for name in per_rank[0]["tensors"]) == recipe.startswith(
+        ("ppo", "env")
+    )
+    run_dir = tmp_path / "runs" / recipe
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert len(scalars["reward/total"]) == 2 and len(scalars["ppo/grad_norm"]) == 2
+    assert scalars["rollout/simulator_errors"] == [0.0, 0.0]
+    # Every rank wrote its own dialogues; a step holds the whole world's batch.
+    transcripts = [
+        json.loads(line)
+        for rank in range(2)
+        for line in (run_dir / "tensorboard" / "rollouts" / f"train_rank{rank}.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    group = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text())["model"]["group_size"]
+    assert len(transcripts) == 2 * 2 * group
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
+    assert checkpoint.exists()
+    assert per_rank[0]["metrics"] == per_rank[1]["metrics"]  # the same keys on every rank
+
+
+# --------------------------------------------------------------------------- failures and resume
+FAULTY = "FAULTY-PERSONA-7"
+
+
+def two_profiles(workdir: Path) -> None:
+    """Two training profiles, one per rank each step; the first one's user always fails to open."""
+    from rlver.data.profiles import load_profile_sets
+
+    folder = workdir / "data" / "rlver"
+    folder.mkdir(parents=True, exist_ok=True)
+    first, second = load_profile_sets(["builtin:en_train"])[:2]
+    lines = []
+    for profile, marker in ((first, f"\n* Note: {FAULTY}"), (second, "")):
+        record = profile.to_record()
+        record.pop("first_talk", None)  # the user model writes the opening
+        record["player"] += marker
+        lines.append(json.dumps(record))
+    (folder / "train_profile.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "test_profile.jsonl").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("recipe", ["ppo_think", "grpo_nothink"])
+def test_a_simulator_failing_on_one_rank_only_neither_hangs_nor_trains(recipe, tmp_path, tiny_model_dir):
+    # Every request for the faulty persona's opening gets a 500: its rank's dialogues all end
+    # with simulator_error before the policy speaks, so that rank has nothing to train on.
+    faults = {(FAULTY, "open", n): "500" for n in range(1, 200)}
+    with ScriptedServer(Script(faults=faults)) as server:
+        two_profiles(tmp_path)
+        config = twin_config(recipe, tmp_path, tiny_model_dir, server.url)
+        fast = "{backoff_seconds: 0.01, backoff_max_seconds: 0.02, max_retries: 1}"
+        twin = yaml.safe_load(config.read_text())
+        twin["model"]["simulator"].update(yaml.safe_load(fast))
+        config.write_text(yaml.safe_dump(twin, allow_unicode=True))
+        run_fit(tmp_path, "--config", config, "--data.shuffle", "false", timeout=400)
+        assert server.script.served["500"] == 2 * 2  # one opening, tried twice, each step
+    per_rank = digests(tmp_path)
+    assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
+    assert per_rank[0]["metrics"] == per_rank[1]["metrics"]
+    group = twin["model"]["group_size"]
+    scalars = read_scalars(tmp_path / "runs" / recipe / "tensorboard")
+    assert scalars["rollout/simulator_errors"] == [float(group)] * 2  # summed over ranks
+    assert scalars["simulator/dialogue_errors"] == [1.0, 1.0]  # one failed opening, shared by its group
+    records = [
+        json.loads(line)
+        for rank in range(2)
+        for line in (tmp_path / "runs" / recipe / "tensorboard" / "rollouts" / f"train_rank{rank}.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    failed = [r for r in records if r["termination"] == "simulator_error"]
+    assert len(failed) == 2 * group and all(r["num_turns"] == 0 for r in failed)
+    assert all(
+        FAULTY not in r["system_prompt"] for r in records
+    )  # the persona is the user's, not the policy's
+
+
+def test_two_process_resume_from_last_is_exact(tmp_path, tiny_model_dir, server):
+    recipe = "grpo_think"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for workdir in (straight, resumed):
+        workdir.mkdir()
+        lay_out_data(workdir)
+    run_fit(straight, "--config", twin_config(recipe, straight, tiny_model_dir, server.url, steps=3))
+    config = twin_config(recipe, resumed, tiny_model_dir, server.url, steps=3)
+    run_fit(resumed, "--config", config, "--trainer.max_steps", "1")
+    checkpoint = resumed / "runs" / recipe / "checkpoints" / "last.ckpt"
+    assert torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"] == 1
+    run_fit(resumed, "--config", config, "--ckpt_path", "last")
+    for rank in range(2):
+        a, b = digests(straight)[rank], digests(resumed)[rank]
+        assert a["step"] == b["step"] == 3
+        assert a["tensors"] == b["tensors"], [k for k in a["tensors"] if a["tensors"][k] != b["tensors"][k]][
+            :5
+        ]
+    # The resumed run's dialogues are those of the uninterrupted run, step for step.
+    for rank in range(2):
+        name = f"runs/{recipe}/tensorboard/rollouts/train_rank{rank}.jsonl"
+        texts = [
+            [
+                (r["step"], r["profile_id"], [t["text"] for t in r["turns"]])
+                for r in map(json.loads, path.read_text().splitlines())
+            ]
+            for path in (straight / name, resumed / name)
+        ]
+        assert texts[0] == [t for t in texts[1]][-len(texts[0]) :]
