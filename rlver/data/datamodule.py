@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import lightning as L
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from rlver.data.profiles import load_profile_sets
 from rlver.types import Profile
@@ -26,6 +26,42 @@ def _as_list(batch: list[Profile]) -> list[Profile]:
     return batch
 
 
+class StepIndexedSampler(DistributedSampler):
+    """This rank's profiles for training step s are a function of s alone.
+
+    The rank's stream is its DistributedSampler share of epoch 0, then of epoch 1, ... (each
+    shuffled by seed + epoch). A pass over the loader starts at the stream position of the
+    trainer's global step, so a run resumed from any checkpoint (taken mid-epoch or at the
+    end of training, which Lightning counts as a finished epoch) trains on exactly the
+    profiles the uninterrupted run would have.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Profile],
+        *,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        start: Callable[[], int] = lambda: 0,
+    ) -> None:
+        super().__init__(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
+        self._start = start  # stream position (in profiles) of the next pass
+
+    def __iter__(self) -> Iterator[int]:
+        position = self._start()
+        per_epoch = self.num_samples
+        epoch, offset = divmod(position, per_epoch)
+        remaining = per_epoch  # one pass is one epoch's worth, as len() says
+        while remaining > 0:
+            self.epoch = epoch  # DistributedSampler shuffles by seed + epoch
+            share = list(super().__iter__())[offset : offset + remaining]
+            yield from share
+            remaining -= len(share)
+            epoch, offset = epoch + 1, 0
+
+
 class ProfileDataModule(L.LightningDataModule):
     """Profiles from JSONL files; a batch is a plain list of `Profile`.
 
@@ -34,8 +70,9 @@ class ProfileDataModule(L.LightningDataModule):
         val_files: Profile files for validation.
         test_files: Profile files for testing.
         batch_size: Dialogues (profiles) per batch; GRPO repeats each profile within the step.
-        shuffle: Shuffle training profiles each epoch.
+        shuffle: Shuffle training profiles each epoch (the order depends only on seed and epoch).
         limit: Use only the first N profiles of each split (0: all).
+        seed: Seed of the training order.
     """
 
     def __init__(
@@ -46,6 +83,7 @@ class ProfileDataModule(L.LightningDataModule):
         batch_size: int = 4,
         shuffle: bool = True,
         limit: int = 0,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -60,6 +98,7 @@ class ProfileDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.limit = limit
+        self.seed = seed
         self._splits: dict[str, list[Profile]] = {}
 
     def profiles(self, split: str) -> list[Profile]:
@@ -87,7 +126,19 @@ class ProfileDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader[Profile]:
-        return self._loader("train", self.shuffle)
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        dataset = ProfileDataset(self.profiles("train"))
+        batch_size = self.batch_size
+        sampler = StepIndexedSampler(
+            dataset,
+            rank=rank,
+            world_size=world,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            start=lambda: (trainer.global_step if trainer is not None else 0) * batch_size,
+        )
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=_as_list)
 
     def val_dataloader(self) -> DataLoader[Profile]:
         return self._loader("val", False)
