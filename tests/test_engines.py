@@ -4,12 +4,16 @@ Exact sampled ids and log-probs, stop and per-turn limits, seeds, the rollout lo
 (for engines that keep their own weights) weight sync.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from rlver_plugins.formats import NoThinkFormat
 from rlver_plugins.hf_engine import HFEngine
 
 from rlver.interfaces import SamplingSettings
+from rlver.models import load_policy
 from rlver.rollout import RolloutRunner, RolloutSettings
 from tests.test_rollout import ScriptedSimulator, assert_masks_cover_exactly_the_sampled_ids, make_profile
 
@@ -161,3 +165,94 @@ def test_bad_engine_options(policy):
         HFEngine(policy, batch_size=0)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization \(1.5\) must be within"):
         VLLMEngine(policy, gpu_memory_utilization=1.5)
+
+
+# --------------------------------------------------------------------------- the model's generation_config
+# A Qwen2.5-Instruct-like generation_config.json, with top_k 1 so that any leak of it turns sampling greedy.
+PICKY_GENERATION_CONFIG = {
+    "do_sample": True,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 1,
+    "repetition_penalty": 1.05,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def picky_policy(policy, tmp_path_factory):
+    """The embedded policy, loaded from a folder whose generation_config.json asks for other sampling."""
+    source = Path(policy.path)
+    folder = tmp_path_factory.mktemp("picky-smollm2")
+    for item in source.iterdir():
+        if item.name != "generation_config.json":
+            (folder / item.name).symlink_to(item)
+    (folder / "generation_config.json").write_text(json.dumps(PICKY_GENERATION_CONFIG))
+    picky = load_policy(str(folder))
+    assert picky.model.generation_config.top_k == 1  # the file was read
+    return picky
+
+
+@pytest.fixture(scope="module")
+def picky_vllm_engine(picky_policy):
+    from rlver_plugins.vllm_engine import VLLMEngine
+
+    return VLLMEngine(picky_policy, dtype="float32", cpu_kv_cache_gib=1)
+
+
+@pytest.fixture(params=["hf", "vllm"])
+def picky_engine(request, picky_policy):
+    if request.param == "hf":
+        return HFEngine(picky_policy, batch_size=4)
+    return request.getfixturevalue("picky_vllm_engine")
+
+
+def test_model_generation_config_does_not_restrict_sampling(picky_engine, prompts):
+    greedy = picky_engine.generate(prompts[:1], SamplingSettings(max_new_tokens=8, temperature=0))[0]
+    samples = {
+        picky_engine.generate(prompts[:1], SamplingSettings(max_new_tokens=8, seed=seed))[0].token_ids
+        for seed in range(6)
+    }
+    assert len(samples - {greedy.token_ids}) >= 2  # the file's top_k = 1 would make every sample greedy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_model_generation_config_does_not_change_logprobs(picky_engine, picky_policy, prompts, temperature):
+    """Sampled ids and log-probs are those of plain softmax(logits / T): no repetition penalty."""
+    generations = picky_engine.generate(
+        prompts, SamplingSettings(max_new_tokens=16, temperature=temperature, seed=3)
+    )
+    for prompt, generation in zip(prompts, generations):
+        expected = teacher_forced_logprobs(picky_policy, prompt, generation.token_ids, temperature)
+        gap = (torch.tensor(generation.logprobs) - expected).abs().max().item()
+        assert gap < TOLERANCE[engine_name(picky_engine)], gap
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "expected"),
+    [
+        (1.0, 1.0, ["_SampledLogprobRecorder"]),
+        (0.7, 0.9, ["_SampledLogprobRecorder", "TemperatureLogitsWarper", "TopPLogitsWarper"]),
+        (0.0, 1.0, ["_SampledLogprobRecorder"]),
+    ],
+)
+def test_hf_generate_uses_only_temperature_and_top_p(
+    picky_policy, prompts, monkeypatch, temperature, top_p, expected
+):
+    """No top-k (neither the file's nor transformers' default 50), no penalties: just T and top-p."""
+    model = picky_policy.model
+    used = []
+
+    def capture(**kwargs):
+        processors = type(model)._get_logits_processor(model, **kwargs)
+        used.append([type(p).__name__ for p in processors])
+        return processors
+
+    monkeypatch.setattr(model, "_get_logits_processor", capture)
+    HFEngine(picky_policy).generate(
+        prompts[:1], SamplingSettings(max_new_tokens=2, temperature=temperature, top_p=top_p)
+    )
+    assert used == [expected]
+    assert model.generation_config.top_k == 1  # the model's own config is back in place

@@ -18,7 +18,6 @@ def test_think_well_formed():
     ("completion", "visible", "error"),
     [
         ("Just a reply.", "Just a reply.", "missing <think>...</think>"),
-        ("<think>planning forever", "planning forever", "unclosed <think>"),
         ("<think></think>Hello", "Hello", "empty thinking"),
         ("<think>plan</think>   ", "", "empty reply after </think>"),
         ("Hi <think>plan</think> there", "there", "text before <think>"),
@@ -31,6 +30,25 @@ def test_think_malformed_is_flagged(completion, visible, error):
     assert parsed.visible == visible
     assert not parsed.format_ok
     assert parsed.format_error == error
+
+
+UNCLOSED = "unclosed <think>: the completion ended while thinking, so the reply is empty"
+
+
+@pytest.mark.parametrize(
+    ("completion", "thinking"),
+    [
+        ("<think>SECRET reasoning, cut off at max_new_tok", "SECRET reasoning, cut off at max_new_tok"),
+        ("Hi <think>SECRET plan", "SECRET plan"),  # nor is the text before the tag trusted as a reply
+        ("<think>a</think>Sure. <think>SECRET second thoughts", "SECRET second thoughts"),
+        ("<think>", None),
+    ],
+)
+def test_unclosed_think_shows_the_user_nothing(completion, thinking):
+    parsed = ThinkFormat().parse(completion)
+    assert parsed.visible == ""
+    assert parsed.thinking == thinking
+    assert not parsed.format_ok and parsed.format_error == UNCLOSED
 
 
 def test_only_text_after_the_last_close_tag_is_visible():

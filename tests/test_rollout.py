@@ -6,7 +6,7 @@ import pytest
 from rlver_plugins.formats import NoThinkFormat, ThinkFormat
 from rlver_plugins.hf_engine import HFEngine
 
-from rlver.interfaces import ParsedReply, UserSession, UserSimulator
+from rlver.interfaces import Generation, ParsedReply, RolloutEngine, UserSession, UserSimulator
 from rlver.rollout import PolicyTurn, RolloutRunner, RolloutSettings, pack_sequences, summarize
 from rlver.transcripts import TranscriptWriter, read_transcripts
 from rlver.types import Profile, UserTurn
@@ -123,6 +123,38 @@ def test_think_history_hides_thinking_and_starts_new_sequences(policy):
         assert first.parsed.thinking not in context
     assert first.parsed.visible in context
     assert_masks_cover_exactly_the_sampled_ids(trajectory)
+
+
+@pytest.mark.slow
+def test_a_thought_cut_off_at_the_token_limit_never_reaches_the_user(policy):
+    class CutOffEngine(RolloutEngine):
+        """Every reply hits max_new_tokens inside <think>."""
+
+        def generate(self, prompts, sampling):
+            ids = policy.tokenizer("<think>SECRET reasoning about the user")["input_ids"]
+            return [Generation(tuple(ids), tuple([-0.5] * len(ids)), "length") for _ in prompts]
+
+    class RecordingSimulator(ScriptedSimulator):
+        def __init__(self):
+            super().__init__()
+            self.sent = []
+
+        def respond_batch(self, sessions, replies):
+            self.sent.extend(replies)
+            return super().respond_batch(sessions, replies)
+
+    simulator = RecordingSimulator()
+    settings = RolloutSettings(max_turns=2, max_new_tokens=24)
+    runner = RolloutRunner(policy, CutOffEngine(), simulator, ThinkFormat(), settings)
+    (trajectory,) = runner.run([make_profile("cut")])
+    first, second = trajectory.policy_turns
+    assert simulator.sent == ["", ""]
+    assert first.finish_reason == "length" and not first.parsed.format_ok
+    assert first.parsed.thinking == "SECRET reasoning about the user"  # kept for the record
+    history = policy.tokenizer.decode(second.prompt_ids)
+    assert "SECRET" not in history
+    assert "<|im_start|>assistant\n<|im_end|>" in history  # the cut-off turn is an empty reply
+    assert all("SECRET" not in (t["text"] or "") for t in trajectory.to_record()["turns"])
 
 
 @pytest.mark.slow

@@ -1,12 +1,13 @@
 """The thinking and non-thinking prompt formats.
 
 Only the visible reply (the text after the last `</think>`) reaches the user and
-the next turn's history; the thinking stays in the trajectory for training.
+the next turn's history; the thinking stays in the trajectory for training. A
+completion with an unclosed `<think>` (typically cut off at max_new_tokens while
+thinking) has an empty visible reply: none of its text is known to be meant for
+the user.
 """
 
 from __future__ import annotations
-
-import re
 
 from rlver.interfaces import ParsedReply, PromptFormat
 from rlver.types import Profile
@@ -36,7 +37,6 @@ LANGUAGES = ("en", "zh", "auto")
 
 _OPEN = "<think>"
 _CLOSE = "</think>"
-_TAG = re.compile(r"</?think>")
 
 
 def _check_language(language: str) -> str:
@@ -76,7 +76,8 @@ class ThinkFormat(_BaseFormat):
 
     A completion is well-formed when it starts with one `<think>`, closes it once
     with `</think>`, both parts are non-empty, and no other tag appears. A
-    malformed one is still parsed as well as possible and flagged.
+    malformed one is still parsed as well as possible and flagged, but text that
+    may be thinking is never made visible: an unclosed `<think>` gives an empty reply.
 
     Args:
         language: System prompt language: "en", "zh" or "auto" (the profile's language).
@@ -92,10 +93,19 @@ class ThinkFormat(_BaseFormat):
     def parse(self, completion: str) -> ParsedReply:
         text = completion.strip()
         close_at = text.rfind(_CLOSE)
+        open_at = text.rfind(_OPEN)
+        if open_at > close_at:
+            # A <think> never closed: the completion ended while thinking (usually cut off at
+            # max_new_tokens). Rather than risk showing the thought, the user gets an empty reply.
+            return ParsedReply(
+                visible="",
+                thinking=text[open_at + len(_OPEN) :].strip() or None,
+                format_ok=False,
+                format_error="unclosed <think>: the completion ended while thinking, so the reply is empty",
+            )
         if close_at < 0:
-            # No closing tag: the whole text (tags removed) is what the user would see.
-            error = "unclosed <think>" if _OPEN in text else "missing <think>...</think>"
-            return ParsedReply(visible=_TAG.sub("", text).strip(), format_ok=False, format_error=error)
+            # No tag at all: the model did not think, the whole text is its reply.
+            return ParsedReply(visible=text, format_ok=False, format_error="missing <think>...</think>")
         visible = text[close_at + len(_CLOSE) :].strip()
         head = text[:close_at]
         thinking = head[head.find(_OPEN) + len(_OPEN) :].strip() if _OPEN in head else head.strip()

