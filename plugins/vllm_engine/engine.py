@@ -96,6 +96,7 @@ class VLLMEngine(RolloutEngine):
             options["gpu_memory_utilization"] = gpu_memory_utilization
             options["tensor_parallel_size"] = tensor_parallel_size
             options["enable_sleep_mode"] = self.sleep_between_rollouts
+        options.update(_per_rank_options(tensor_parallel_size))
         self.llm = vllm.LLM(**options)
         self._sleeping = False
         self.weights_version = 0
@@ -158,6 +159,30 @@ class VLLMEngine(RolloutEngine):
         if self._sleeping:
             self.llm.wake_up()
             self._sleeping = False
+
+
+def _per_rank_options(tensor_parallel_size: int) -> dict[str, Any]:
+    """Options that give each training rank an engine of its own, on its own device.
+
+    Under a multi-process trainer every rank builds its own engine. vLLM's default
+    single-process executor would put each on device 0 with a private process group;
+    the external-launcher executor instead joins the trainer's processes (env://: RANK,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and runs on device LOCAL_RANK. With
+    tensor_parallel_size 1 the ranks' engines are independent replicas.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            "--model.engine.tensor_parallel_size > 1 under a multi-process trainer is not supported yet: "
+            "each rank runs its own engine (use 1)"
+        )
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    local_rank = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    return {"distributed_executor_backend": "external_launcher"}
 
 
 def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
