@@ -13,15 +13,18 @@ _POLICY_PREFIX = "policy_model."
 
 def read_policy_state(checkpoint_path: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
     """(policy name from the hyperparameters, policy state dict) of an `rlver fit` checkpoint."""
+    from rlver.distributed import clean_name, is_sharded_checkpoint, read_checkpoint_state
+
     checkpoint_path = Path(checkpoint_path)
-    if not checkpoint_path.is_file():
-        raise ValueError(f"--ckpt: {checkpoint_path} not found")
-    checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    if not (checkpoint_path.is_file() or is_sharded_checkpoint(checkpoint_path)):
+        raise ValueError(f"--ckpt: {checkpoint_path} not found (a checkpoint file or an FSDP sharded folder)")
+    # A file, or the folder of a sharded (FSDP) checkpoint, consolidated here in one process.
+    checkpoint = read_checkpoint_state(checkpoint_path)
     hyperparameters = checkpoint.get("hyper_parameters", {})
     if "policy" not in hyperparameters:
         raise ValueError(f"--ckpt: {checkpoint_path} is not an rlver checkpoint (no policy hyperparameter)")
     state = {
-        key[len(_POLICY_PREFIX) :]: value
+        clean_name(key[len(_POLICY_PREFIX) :]): value
         for key, value in checkpoint["state_dict"].items()
         if key.startswith(_POLICY_PREFIX)
     }

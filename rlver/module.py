@@ -28,7 +28,13 @@ import torch
 from rlver.batch import RolloutBatch, build_batch, placeholder_batch, token_logprobs
 from rlver.critic import ValueModel
 from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
-from rlver.interfaces import AdvantageBatch
+from rlver.distributed import (
+    clip_grad_norm,
+    gathered_for_generation,
+    shard_for_strategy,
+    use_sharded_checkpoint_reader,
+)
+from rlver.interfaces import AdvantageBatch, RolloutEngine
 from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
 from rlver.plugins import get_registry, plain_config, split_spec
 from rlver.rl.advantages import terminal_rewards
@@ -265,6 +271,13 @@ class RLVERModule(L.LightningModule):
             self.policy_model.gradient_checkpointing_enable()
             if self.value_model is not None:
                 self.value_model.gradient_checkpointing_enable()
+        if self._trainer is not None:
+            # Under FSDP the policy and the critic are sharded as roots of their own, so that
+            # manual optimization can gather them for generation and for weight sync between
+            # training steps; the frozen reference stays whole. Other strategies: unchanged.
+            self.policy_model = shard_for_strategy(self.policy_model, self.trainer.strategy)
+            if self.value_model is not None:
+                self.value_model = shard_for_strategy(self.value_model, self.trainer.strategy)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # a batch is a list of profiles: plain data that never goes to a device
@@ -285,6 +298,8 @@ class RLVERModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self._share_cpu_cores()
+        if self._trainer is not None:
+            use_sharded_checkpoint_reader(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
         self.configure_model()
         for reference in self._reference:
             reference.to(self.device)
@@ -340,7 +355,8 @@ class RLVERModule(L.LightningModule):
         return optimizers, schedulers
 
     # ------------------------------------------------------------------ the algorithm
-    def training_step(self, batch: list[Profile], batch_idx: int) -> None:
+    def training_step(self, batch: Sequence[Profile], batch_idx: int) -> None:
+        batch = list(batch)
         step = self.global_step
         step_started = time.perf_counter()
 
@@ -475,8 +491,17 @@ class RLVERModule(L.LightningModule):
         """Old log-probs (current policy), reference log-probs and old values, in micro-batches."""
         temperature = self.rollout_settings.temperature or 1.0
         old, ref, values = [], [], []
-        for rows in self._micro_batches(range(batch.num_sequences)):
+        micro_batches = list(self._micro_batches(range(batch.num_sequences)))
+        # Under FSDP every forward is a collective: ranks run as many as the fullest rank,
+        # padding with a repeat of sequence 0 whose outputs are dropped.
+        padding = int(self._reduce_max(len(micro_batches))) - len(micro_batches)
+        for index, rows in enumerate(micro_batches + [[0]] * padding):
             ids, attention = batch.input_ids[rows], batch.attention_mask[rows]
+            if index >= len(micro_batches):
+                self.policy_model(input_ids=ids, attention_mask=attention)
+                if self.value_model is not None:
+                    self.value_model(ids, attention)
+                continue
             old.append(
                 token_logprobs(
                     self.policy_model(input_ids=ids, attention_mask=attention).logits, ids, temperature
@@ -638,11 +663,9 @@ class RLVERModule(L.LightningModule):
             yield rows[start : start + size]
 
     def _clip(self, module: torch.nn.Module) -> float:
-        parameters = [p for p in module.parameters() if p.grad is not None]
-        if not parameters:
-            return 0.0
+        """Clip to the global gradient norm (over every shard under FSDP); returns it, pre-clip."""
         max_norm = self.ppo.grad_clip if self.ppo.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        return clip_grad_norm(module, max_norm)
 
     def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:
         if counts_as_global_step:
@@ -658,15 +681,19 @@ class RLVERModule(L.LightningModule):
 
     @contextlib.contextmanager
     def _generation_weights(self) -> Iterator[None]:
-        """Generation must see full weights: under FSDP, gather them for the rollout."""
-        strategy = self.trainer.strategy if self._trainer is not None else None
-        if strategy is not None and type(strategy).__name__ == "FSDPStrategy":
-            from torch.distributed.fsdp import FullyShardedDataParallel
+        """An engine that samples from the training module itself (hf) needs its full weights.
 
-            with FullyShardedDataParallel.summon_full_params(strategy.model, writeback=False, recurse=True):
-                yield
-        else:
+        Under FSDP they are gathered for the whole rollout (a collective on entry and exit;
+        none per forward, so ranks may generate different lengths). Engines holding their own
+        copy (vllm) got the weights at the last sync and need nothing.
+        """
+        engine = self.runner.engine if self.runner is not None else None
+        own_copy = engine is not None and type(engine).sync_weights is not RolloutEngine.sync_weights
+        if own_copy or self.policy_model is None:
             yield
+        else:
+            with gathered_for_generation(self.policy_model):
+                yield
 
     def _rollout_metrics(self, trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
         summary = summarize(trajectories)
@@ -802,7 +829,8 @@ class RLVERModule(L.LightningModule):
             flush=True,
         )
 
-    def _evaluate(self, batch: list[Profile], batch_idx: int, split: str) -> None:
+    def _evaluate(self, batch: Sequence[Profile], batch_idx: int, split: str) -> None:
+        batch = list(batch)
         settings = self.rollout_settings
         eval_settings = RolloutSettings(
             settings.max_turns,

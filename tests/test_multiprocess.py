@@ -21,7 +21,8 @@ import torch
 import yaml
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-from tests.conftest import OFFICIAL_SAMPLE, REPO
+from rlver.distributed import read_checkpoint_state
+from tests.conftest import OFFICIAL_SAMPLE, REPO, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,12 @@ def twin_config(
     config = json.loads(json.dumps(original))
     trainer, model = config["trainer"], config["model"]
     trainer.update(accelerator="cpu", devices=devices, num_nodes=1, precision="32-true", max_steps=steps)
-    trainer["strategy"] = "ddp" if devices > 1 else "auto"
+    strategy = trainer.get("strategy")
+    if isinstance(strategy, dict) and strategy["class_path"].endswith("FSDPStrategy"):
+        # Lightning's FSDPStrategy refuses CPUs; this subclass differs only in allowing them.
+        trainer["strategy"] = {**strategy, "class_path": "rlver.distributed.AnyDeviceFSDPStrategy"}
+    else:
+        trainer["strategy"] = "ddp" if devices > 1 else "auto"
     trainer["callbacks"] = [
         *trainer.get("callbacks", []),
         {"class_path": "tests.probes.WeightDigest", "init_args": {"out_dir": str(workdir / "digests")}},
@@ -277,7 +283,8 @@ def test_two_process_resume_from_last_is_exact(tmp_path, tiny_model_dir, server)
     config = twin_config(recipe, resumed, tiny_model_dir, server.url, steps=3)
     run_fit(resumed, "--config", config, "--trainer.max_steps", "1")
     checkpoint = resumed / "runs" / recipe / "checkpoints" / "last.ckpt"
-    assert torch.load(checkpoint, map_location="cpu", weights_only=False)["global_step"] == 1
+    assert checkpoint.is_dir()  # the recipe's FSDP sharded checkpoint: a folder of shards
+    assert read_checkpoint_state(checkpoint)["global_step"] == 1
     run_fit(resumed, "--config", config, "--ckpt_path", "last")
     for rank in range(2):
         a, b = digests(straight)[rank], digests(resumed)[rank]
@@ -334,3 +341,39 @@ def test_sentient_eval_twin_on_two_processes(tmp_path, tiny_model_dir, server):
         for line in path.read_text().splitlines()
     ]
     assert len(records) == 100 and len({r["id"] for r in records}) == 100
+
+
+def test_a_sharded_checkpoint_exports_and_talks(tmp_path, tiny_model_dir, server):
+    """FSDP writes last.ckpt as a folder of shards: export and rollout read it in one process."""
+    lay_out_data(tmp_path)
+    config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=1)
+    run_fit(tmp_path, "--config", config)
+    checkpoint = tmp_path / "runs" / "grpo_nothink" / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir()
+    state = read_checkpoint_state(checkpoint)["state_dict"]
+    out = tmp_path / "exported"
+    result = run_cli("export", "--ckpt", checkpoint, "--out", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    name = "model.layers.1.mlp.down_proj.weight"
+    trained = next(v for k, v in state.items() if k.endswith(name) and k.startswith("policy_model."))
+    assert torch.equal(exported[name], trained)
+    assert not torch.equal(trained, AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()[name])
+    result = run_cli(
+        "rollout",
+        "--model.policy",
+        tiny_model_dir,
+        "--ckpt",
+        checkpoint,
+        "--limit",
+        "1",
+        "--model.rollout",
+        "{max_turns: 1, max_new_tokens: 8}",
+        "--out",
+        tmp_path / "talk.jsonl",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "talk.jsonl").read_text().splitlines()]
+    assert record["model"].endswith(f"@{checkpoint}")

@@ -83,3 +83,44 @@ def test_grpo_estimator_broadcasts_group_advantages_and_counts_degenerate_groups
     assert result.advantages[1].tolist() == pytest.approx([expected, 0.0, 0.0], rel=1e-5)
     assert result.advantages[2:].abs().sum().item() == 0.0
     assert result.metrics == {"advantage/degenerate_groups": 1.0, "advantage/degenerate_group_fraction": 0.5}
+
+
+def test_gae_whitening_leaves_invalid_dialogues_out_of_the_statistics():
+    """A dialogue ended by a simulator error must not shift or scale the others' advantages."""
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.2], [0.0, 50.0]])
+    values = torch.tensor([[0.3, 0.4], [0.5, 0.1], [-20.0, 9.0]])
+    mask = torch.ones(3, 2, dtype=torch.long)
+    alone = GAEEstimator()(AdvantageBatch(rewards[:2], values[:2], mask[:2], torch.tensor([0, 1])))
+    together = GAEEstimator()(
+        AdvantageBatch(
+            rewards, values, mask, torch.tensor([0, 1, 2]), valid=torch.tensor([True, True, False])
+        )
+    )
+    assert torch.allclose(together.advantages[:2], alone.advantages, atol=1e-6)
+    assert together.advantages[2].abs().sum() == 0
+
+
+def test_gae_whitening_uses_the_step_wide_statistics_it_is_given():
+    """With reduce_sum the statistics are those of every rank: one dialogue keeps its reward's sign."""
+    values = torch.tensor([[0.2, 0.2]])
+    mask = torch.ones(1, 2, dtype=torch.long)
+    other_rank = torch.tensor([2.0, 0.0, 0.0])  # two tokens of advantage 0 on the other rank
+
+    def reduce_sum(local):
+        return local + other_rank
+
+    good = AdvantageBatch(torch.tensor([[0.0, 1.0]]), values, mask, torch.tensor([0]), reduce_sum=reduce_sum)
+    bad = AdvantageBatch(torch.tensor([[0.0, 0.0]]), values, mask, torch.tensor([0]), reduce_sum=reduce_sum)
+    assert (GAEEstimator()(good).advantages > 0).all() and (GAEEstimator()(bad).advantages < 0).all()
+    # Whitened over this rank alone the reward would cancel: both dialogues would get the same.
+    assert not torch.equal(GAEEstimator()(good).advantages, GAEEstimator()(bad).advantages)
+
+
+def test_grpo_leaves_invalid_dialogues_out_of_their_groups_baseline():
+    mask = torch.ones(3, 1, dtype=torch.long)
+    rewards = torch.tensor([[0.2], [0.6], [5.0]])
+    result = GRPOEstimator()(
+        AdvantageBatch(rewards, None, mask, torch.tensor([0, 0, 0]), valid=torch.tensor([True, True, False]))
+    )
+    expected = 0.2 / (0.2828427 + 1e-6)
+    assert result.advantages[:, 0].tolist() == pytest.approx([-expected, expected, 0.0], rel=1e-5)

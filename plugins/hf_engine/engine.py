@@ -119,6 +119,9 @@ class HFEngine(RolloutEngine):
                     attention_mask=attention_mask.to(device),
                     generation_config=config,
                     logits_processor=LogitsProcessorList([recorder]),
+                    # Under FSDP generate() would sync ranks every token; the trainer gathers the
+                    # weights for the rollout instead, so ranks generate independently.
+                    synced_gpus=False,
                 )
         finally:
             model.generation_config = model_config

@@ -186,6 +186,10 @@ def _per_rank_options(tensor_parallel_size: int) -> dict[str, Any]:
 
 
 def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF state-dict names and detached tensors, as vLLM's loaders expect."""
-    for name, tensor in model.state_dict().items():
-        yield name, tensor.detach()
+    """Full tensors under HF state-dict names, as vLLM's loaders expect.
+
+    Under FSDP the shards are gathered first (a collective: every rank syncs its engine).
+    """
+    from rlver.distributed import full_state_dict
+
+    yield from full_state_dict(model).items()

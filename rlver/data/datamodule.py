@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -22,8 +23,30 @@ class ProfileDataset(Dataset[Profile]):
         return self.profiles[index]
 
 
-def _as_list(batch: list[Profile]) -> list[Profile]:
-    return batch
+class ProfileBatch:
+    """A batch of profiles: a plain sequence that Lightning's collection helpers leave alone.
+
+    Precision plugins walk batches to cast tensors (FSDP's always does) and refuse frozen
+    dataclasses such as `Profile`; this container is opaque to them, and holds no tensors.
+    """
+
+    __slots__ = ("profiles",)
+
+    def __init__(self, profiles: Sequence[Profile]) -> None:
+        self.profiles = list(profiles)
+
+    def __len__(self) -> int:
+        return len(self.profiles)
+
+    def __iter__(self) -> Iterator[Profile]:
+        return iter(self.profiles)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.profiles[index]
+
+
+def _as_list(batch: list[Profile]) -> ProfileBatch:
+    return ProfileBatch(batch)
 
 
 class StepIndexedSampler(DistributedSampler):
