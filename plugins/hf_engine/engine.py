@@ -82,7 +82,9 @@ class HFEngine(RolloutEngine):
     def _generate_chunk(
         self, prompts: list[Sequence[int]], sampling: SamplingSettings, seed: int
     ) -> list[Generation]:
-        model = self.policy.model
+        # Under FSDP1 the policy is a wrapper around the HF model: generate on the model itself,
+        # so its generation_config is the one swapped below (the trainer has gathered the weights).
+        model = getattr(self.policy.model, "module", self.policy.model)
         device = self.policy.device
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
