@@ -687,7 +687,7 @@ class RLVERModule(L.LightningModule):
         none per forward, so ranks may generate different lengths). Engines holding their own
         copy (vllm) got the weights at the last sync and need nothing.
         """
-        engine = self.runner.engine if self.runner is not None else None
+        engine = getattr(self.runner, "engine", None)
         own_copy = engine is not None and type(engine).sync_weights is not RolloutEngine.sync_weights
         if own_copy or self.policy_model is None:
             yield
