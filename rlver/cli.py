@@ -230,9 +230,12 @@ def _lightning_cli_class() -> type:
 
 def lightning_command(argv: Sequence[str]) -> int:
     get_registry()  # plugins first: their names and options must be known to the parser
+    from rlver.trainer import Trainer
+
     _lightning_cli_class()(
         RLVERModule,
         ProfileDataModule,
+        trainer_class=Trainer,
         # From the console script argv *is* sys.argv[1:]; passing it again only makes Lightning warn.
         args=None if list(argv) == sys.argv[1:] else list(argv),
         save_config_kwargs={"overwrite": True},
@@ -249,9 +252,12 @@ def parse_recipe(path: str) -> Namespace:
         def instantiate_classes(self) -> None:
             pass
 
+    from rlver.trainer import Trainer
+
     cli = ParseOnly(
         RLVERModule,
         ProfileDataModule,
+        trainer_class=Trainer,
         args=["--config", path],
         run=False,
         parser_kwargs={"prog": "rlver", "exit_on_error": False},

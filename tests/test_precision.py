@@ -1,0 +1,72 @@
+"""`precision: auto` and engine `dtype: auto`: bfloat16 only where the hardware computes it natively."""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlver.precision import cpu_bf16, resolve_dtype, resolve_precision
+from tests.conftest import REPO
+
+AVX512 = {"avx2", "avx512f", "avx512bw", "avx512vl"}
+
+
+@pytest.mark.parametrize(
+    ("capability", "flags", "machine", "env", "native"),
+    [
+        ("AVX512", AVX512 | {"avx512_bf16"}, "x86_64", {}, True),  # Zen 4, Cooper Lake, Sapphire Rapids
+        ("AVX512", AVX512 | {"amx_bf16", "amx_tile"}, "x86_64", {}, True),  # AMX
+        ("AVX512", AVX512, "x86_64", {}, False),  # Skylake-X, Ice Lake: AVX-512 but no BF16
+        ("AVX2", {"avx2", "fma"}, "x86_64", {}, False),  # most laptops, AMD before Zen 4
+        ("AVX2", AVX512 | {"avx512_bf16"}, "x86_64", {}, False),  # ATEN_CPU_CAPABILITY=avx2
+        ("AVX512", AVX512 | {"avx512_bf16"}, "x86_64", {"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+        ("AVX512", AVX512 | {"avx512_bf16"}, "x86_64", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, True),
+        ("DEFAULT", {"fp", "asimd", "bf16"}, "aarch64", {}, True),  # Graviton 3, Apple M2+ under Linux
+        ("DEFAULT", {"fp", "asimd"}, "aarch64", {}, False),  # older ARM
+    ],
+)
+def test_each_kind_of_cpu_gets_bf16_only_when_native(capability, flags, machine, env, native):
+    choice = cpu_bf16(capability, flags, machine, env)
+    assert choice.bf16 is native
+    assert choice.reason  # the one line the log shows
+
+
+def test_explicit_settings_pass_through():
+    assert resolve_precision("32-true", "cpu") == ("32-true", None)
+    assert resolve_precision("bf16-mixed", "gpu") == ("bf16-mixed", None)
+    assert resolve_dtype("float16", "cuda") == ("float16", None)
+
+
+def run_resolution(env):
+    code = (
+        "from rlver.precision import resolve_precision, resolve_dtype;"
+        "print(resolve_precision('auto', 'cpu')[0], resolve_dtype('auto', 'cpu')[0])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_limiting_torch_to_avx2_kernels_means_float32_here():
+    """The plainer CPU class, emulated on this machine: auto must never pick emulated bf16."""
+    assert run_resolution({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}) == [
+        "32-true",
+        "float32",
+    ]
+    # Unlimited, the answer follows this machine's own CPU flags.
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    native = bool(flags & {"avx512_bf16", "amx_bf16"}) and platform.machine() == "x86_64"
+    assert run_resolution({}) == (["bf16-mixed", "bfloat16"] if native else ["32-true", "float32"])
+
+
+def test_the_quickstart_recipe_resolves_auto_at_fit_time(tmp_path):
+    from rlver.cli import parse_recipe
+
+    config = parse_recipe(str(REPO / "recipes" / "quickstart.yaml"))
+    assert config.trainer.precision == "auto"  # resolved when the Trainer is built, not in the file
