@@ -22,6 +22,8 @@ class WeightDigest(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         digests = {}
         for name, tensor in pl_module.state_dict().items():
+            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard (DTensor): the whole tensor
+                tensor = tensor.full_tensor()
             data = tensor.detach().float().cpu().contiguous().numpy().tobytes()
             digests[name] = hashlib.sha256(data).hexdigest()
         self.out_dir.mkdir(parents=True, exist_ok=True)

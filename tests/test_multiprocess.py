@@ -389,3 +389,24 @@ def test_fsdp_twin_syncs_gathered_weights_into_each_ranks_vllm(tmp_path, tiny_mo
     scalars = read_scalars(tmp_path / "runs" / "grpo_nothink" / "tensorboard")
     # Step 1 samples from weights gathered out of FSDP shards after an update.
     assert max(scalars["rollout/logprob_gap"]) < 1e-3, scalars["rollout/logprob_gap"]
+
+
+def test_fsdp2_twin_trains_on_two_processes(tmp_path, tiny_model_dir, server):
+    """The same recipe under FSDP2 (`fully_shard` over ModelParallelStrategy's data-parallel mesh)."""
+    lay_out_data(tmp_path)
+    config = twin_config("ppo_think", tmp_path, tiny_model_dir, server.url, steps=2)
+    twin = yaml.safe_load(config.read_text())
+    twin["trainer"]["strategy"] = {
+        "class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+        "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+    }
+    config.write_text(yaml.safe_dump(twin, allow_unicode=True))
+    run_fit(tmp_path, "--config", config)
+    per_rank = digests(tmp_path)
+    assert [d["step"] for d in per_rank] == [2, 2]
+    assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
+    checkpoint = tmp_path / "runs" / "ppo_think" / "checkpoints" / "last.ckpt"
+    state = read_checkpoint_state(checkpoint)["state_dict"]
+    assert any(k.startswith("value_model.") for k in state) and any(
+        k.startswith("policy_model.") for k in state
+    )
