@@ -1,10 +1,13 @@
-"""The Trainer `rlver fit/validate/test` build: Lightning's, with `precision: auto`."""
+"""The Trainer `rlver fit/validate/test` build: Lightning's, with `precision: auto` and one run folder."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from rlver.precision import resolve_precision
@@ -12,6 +15,11 @@ from rlver.precision import resolve_precision
 
 class Trainer(L.Trainer):
     """Lightning's Trainer; every option is Lightning's.
+
+    A run lives in one folder, `default_root_dir`: unless a logger is configured, TensorBoard
+    events and transcripts go to `<default_root_dir>/tensorboard` (no version subfolders, so a
+    resumed run keeps writing where it was), and a ModelCheckpoint without a `dirpath` writes to
+    `<default_root_dir>/checkpoints`. `--trainer.default_root_dir DIR` moves all of it.
 
     Args:
         precision: As Lightning's, plus "auto": bf16-mixed where the device computes bfloat16
@@ -23,4 +31,10 @@ class Trainer(L.Trainer):
         precision, reason = resolve_precision(precision, kwargs.get("accelerator", "auto"))
         if reason:
             rank_zero_info(f"rlver: {reason}")
+        root = kwargs.get("default_root_dir") or os.getcwd()
+        if kwargs.get("logger") in (None, True):
+            kwargs["logger"] = TensorBoardLogger(save_dir=root, name="tensorboard", version="")
         super().__init__(*args, precision=precision, **kwargs)
+        for callback in self.callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = os.path.join(root, "checkpoints")

@@ -410,3 +410,13 @@ def test_fsdp2_twin_trains_on_two_processes(tmp_path, tiny_model_dir, server):
     assert any(k.startswith("value_model.") for k in state) and any(
         k.startswith("policy_model.") for k in state
     )
+
+
+def test_default_root_dir_moves_logs_transcripts_and_checkpoints_together(tmp_path, tiny_model_dir):
+    config = twin_config("quickstart_hard", tmp_path, tiny_model_dir, "", steps=1, devices=1)
+    elsewhere = tmp_path / "elsewhere"
+    run_fit(tmp_path, "--config", config, "--trainer.default_root_dir", elsewhere)
+    assert not (tmp_path / "runs").exists()  # nothing left at the recipe's own folder
+    assert (elsewhere / "checkpoints" / "last.ckpt").is_file()
+    assert (elsewhere / "tensorboard" / "rollouts" / "train_rank0.jsonl").is_file()
+    assert list((elsewhere / "tensorboard").glob("events.out.tfevents.*"))
