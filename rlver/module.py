@@ -48,7 +48,8 @@ from rlver.rl.losses import (
     kl_estimate,
     masked_mean,
 )
-from rlver.rollout import RolloutRunner, RolloutSettings, Trajectory, summarize
+from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory, summarize
+from rlver.stopping import graceful_stop
 from rlver.types import Profile
 
 ComponentSpec = str | dict[str, Any]
@@ -368,18 +369,27 @@ class RLVERModule(L.LightningModule):
         dialogues = [profile for profile in batch for _ in range(self.hparams.group_size)]
         group_ids = torch.tensor([i // self.hparams.group_size for i in range(len(dialogues))])
 
-        # 2. roll out the dialogues with the engine plugin
+        # 2. roll out the dialogues with the engine plugin; a stop asked for now (SIGTERM,
+        #    Ctrl-C) drops the step, which has changed nothing yet, on every rank together
+        stop = graceful_stop(self._trainer)
         rollout_started = time.perf_counter()
-        with self._generation_weights():
-            trajectories = self.runner.run(
-                dialogues, seed=self._rollout_seed(step), group_size=self.hparams.group_size
-            )
+        try:
+            with self._generation_weights():
+                trajectories = self.runner.run(
+                    dialogues,
+                    seed=self._rollout_seed(step),
+                    group_size=self.hparams.group_size,
+                    should_stop=None if stop is None else lambda: stop.requested is not None,
+                )
+        except StopRequested:
+            trajectories = []
+        if stop is not None and stop.agree(self.trainer):
+            return  # GracefulStop checkpoints the state as of the last finished step, and stops
         rollout_seconds = time.perf_counter() - rollout_started
         release_memory = getattr(self.runner.engine, "release_memory", None)
         if release_memory is not None:
             release_memory()  # e.g. vLLM sleeps on GPUs so the update gets the memory
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
-        self._append_transcripts("train", trajectories, step)
         metrics = self._rollout_metrics(trajectories, prefix="rollout")
         if self.curriculum is not None:
             metrics.update(self._difficulty_metrics(trajectories))
@@ -443,10 +453,16 @@ class RLVERModule(L.LightningModule):
             if returns is not None and old_values is not None:
                 metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask).item()
 
-        # 6. PPO epochs over minibatches
-        metrics.update(
-            self._update(rollout_batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step)
-        )
+        # 6. PPO epochs over minibatches (in one process, a stop before the first optimizer
+        #    step still drops the step)
+        try:
+            metrics.update(
+                self._update(rollout_batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step)
+            )
+        except StopRequested:
+            for optimizer in self._optimizer_list():
+                optimizer.zero_grad()
+            return
         sync_started = time.perf_counter()
         self.runner.engine.sync_weights()  # the next rollout samples from the updated policy
         sync_seconds = time.perf_counter() - sync_started
@@ -467,6 +483,8 @@ class RLVERModule(L.LightningModule):
                 "perf/update_tokens_per_second": trained_tokens / max(update_seconds, 1e-9),
             }
         )
+        # Written once the step is done: a step dropped by a stop leaves no transcript behind.
+        self._append_transcripts("train", trajectories, step)
         self._log_metrics(metrics)
         get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
         self._log_samples(trajectories, step)
@@ -538,8 +556,7 @@ class RLVERModule(L.LightningModule):
         minibatch, so the synchronised gradient equals that of one process holding every
         rank's dialogues.
         """
-        optimizers = self.optimizers()
-        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        optimizers = self._optimizer_list()
         schedulers = self.lr_schedulers()
         schedulers = schedulers if isinstance(schedulers, list) else [schedulers]
         actor_optimizer = optimizers[0]
@@ -547,6 +564,7 @@ class RLVERModule(L.LightningModule):
         settings = self.ppo
         temperature = self.rollout_settings.temperature or 1.0
         world = self.trainer.world_size if self._trainer is not None else 1
+        stop = graceful_stop(self._trainer)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -576,6 +594,8 @@ class RLVERModule(L.LightningModule):
             micro_batches = list(self._micro_batches(rows))
             micro_batches += [[]] * (micro_steps - len(micro_batches))
             for index, micro in enumerate(micro_batches):
+                if number == 0 and world == 1 and stop is not None and stop.requested:
+                    raise StopRequested("stopped before the first optimizer step")
                 empty = not micro
                 micro = micro or [0]  # an empty slot runs sequence 0 with weight 0 for the collectives
                 ids, attention, mask = (
@@ -631,6 +651,10 @@ class RLVERModule(L.LightningModule):
             metrics["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
         metrics["ppo/minibatches"] = float(len(minibatches))
         return metrics
+
+    def _optimizer_list(self) -> list[Any]:
+        optimizers = self.optimizers()
+        return optimizers if isinstance(optimizers, list) else [optimizers]
 
     @contextlib.contextmanager
     def _gradient_sync(self, sync: bool) -> Iterator[None]:

@@ -35,6 +35,10 @@ from rlver.models import Policy
 from rlver.types import Profile, UserTurn
 
 
+class StopRequested(Exception):
+    """A stop was asked for (SIGTERM, Ctrl-C): the rest of this rollout or step is dropped."""
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     """How dialogues are run.
@@ -278,13 +282,15 @@ class RolloutRunner:
         seed: int | None = None,
         group_size: int = 1,
         on_turn: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Trajectory]:
         """Run one dialogue per profile. Order is kept.
 
         Each run of `group_size` consecutive profiles is a group (GRPO's n dialogues of
         one profile): its members face the same user (one simulator seed) with the same
         opening line, written once; the policy samples each member's replies with its own
-        seed. on_turn(turn, active) is called after every turn, for progress display.
+        seed. on_turn(turn, active) is called after every turn, for progress display;
+        should_stop() before every turn: when it says True, StopRequested is raised.
         """
         if group_size < 1 or len(profiles) % group_size:
             raise ValueError(f"{len(profiles)} profiles do not split into groups of {group_size}")
@@ -309,6 +315,8 @@ class RolloutRunner:
         ]
         active = [d for d in dialogues if not d.trajectory.termination]
         for turn in range(self.settings.max_turns):
+            if should_stop is not None and should_stop():
+                raise StopRequested(f"stopped before turn {turn}")
             active = [d for d in active if self._fits_context(d)]
             if not active:
                 break

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from rlver.precision import resolve_precision
+from rlver.stopping import GracefulStop
 
 
 class Trainer(L.Trainer):
@@ -20,6 +21,7 @@ class Trainer(L.Trainer):
     events and transcripts go to `<default_root_dir>/tensorboard` (no version subfolders, so a
     resumed run keeps writing where it was), and a ModelCheckpoint without a `dirpath` writes to
     `<default_root_dir>/checkpoints`. `--trainer.default_root_dir DIR` moves all of it.
+    The first SIGTERM or Ctrl-C stops the run within a step with `last.ckpt` (rlver.stopping).
 
     Args:
         precision: As Lightning's, plus "auto": bf16-mixed where the device computes bfloat16
@@ -38,3 +40,5 @@ class Trainer(L.Trainer):
         for callback in self.callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = os.path.join(root, "checkpoints")
+        if not any(isinstance(callback, GracefulStop) for callback in self.callbacks):
+            self.callbacks.insert(0, GracefulStop())  # the first SIGTERM / Ctrl-C: checkpoint, stop

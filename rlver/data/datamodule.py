@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,6 +48,13 @@ class ProfileBatch:
 
 def _as_list(batch: list[Profile]) -> ProfileBatch:
     return ProfileBatch(batch)
+
+
+# Lightning warns that a mid-epoch resume may train on other batches unless the loader is
+# stateful; this sampler is indexed by the global step, so a resume is exact (tested).
+warnings.filterwarnings(
+    "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+)
 
 
 class StepIndexedSampler(DistributedSampler):

@@ -1,0 +1,112 @@
+"""Stopping a run on the first SIGTERM or Ctrl-C, with a checkpoint that resumes exactly.
+
+The first signal only raises a flag. The trainer acts on it at points where the training
+state is whole: during a rollout (the step is dropped: nothing has changed yet), before the
+update in a single process, or at the end of a step; then it writes `last.ckpt` and stops.
+Every rank decides together (one all-reduce a step), so a signal that reached one rank stops
+them all. A second signal acts as usual (Ctrl-C raises KeyboardInterrupt at once, SIGTERM
+terminates), for a run that must die now.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from rlver.rollout import StopRequested
+
+__all__ = ["GracefulStop", "StopRequested", "graceful_stop"]
+
+
+class GracefulStop(L.Callback):
+    """Turns the first SIGTERM / SIGINT into a clean stop with `last.ckpt` (added by rlver's Trainer)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested: str | None = None  # the signal's name, once one arrived on this rank
+        self.agreed = False  # every rank knows a stop was asked for
+        self._previous: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ signals
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.requested, self.agreed = None, False
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for number in self.SIGNALS:
+            self._previous[number] = signal.getsignal(number)
+            signal.signal(number, self._on_signal)
+
+    def _on_signal(self, number: int, frame: Any) -> None:
+        if self.requested is not None:  # the second signal: the usual meaning, at once
+            self._restore()
+            if number == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), number)
+            return
+        self.requested = signal.Signals(number).name
+
+    def _restore(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._restore()
+
+    # ------------------------------------------------------------------ deciding and stopping
+    def agree(self, trainer: L.Trainer) -> bool:
+        """Whether any rank was asked to stop (a collective: every rank calls it at the same point)."""
+        if not self.agreed:
+            import torch
+
+            flag = torch.tensor(1.0 if self.requested else 0.0, device=trainer.strategy.root_device)
+            if trainer.world_size > 1:
+                flag = trainer.strategy.reduce(flag, reduce_op="sum")
+            self.agreed = bool(flag.item() > 0)
+        return self.agreed
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self.agree(trainer):
+            return
+        path = _last_checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        rank_zero_info(
+            f"rlver: stopped by {self.requested or 'another rank'} after step {trainer.global_step}; "
+            f"resume with --ckpt_path {path}"
+        )
+
+
+def _last_checkpoint_path(trainer: L.Trainer) -> str:
+    """Where the run's ModelCheckpoint keeps `last.ckpt`, claimed as its own.
+
+    ModelCheckpoint would otherwise take a last.ckpt it did not write for someone else's
+    and save the next one as last-v1.ckpt.
+    """
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            path = os.path.join(
+                str(callback.dirpath), callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+            )
+            callback.last_model_path = path
+            return path
+    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+
+def graceful_stop(trainer: Any) -> GracefulStop | None:
+    """The trainer's GracefulStop callback, if it has one."""
+    if trainer is None:
+        return None
+    return next((c for c in trainer.callbacks if isinstance(c, GracefulStop)), None)

@@ -1,0 +1,87 @@
+"""The first SIGTERM or Ctrl-C stops `rlver fit` within a step, with a checkpoint that resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from rlver.distributed import read_checkpoint_state
+from tests.conftest import REPO
+from tests.test_multiprocess import API_KEY, lay_out_data, run_fit, twin_config
+
+pytestmark = pytest.mark.slow
+
+
+def transcript_steps(path):
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_fit(workdir, config, *extra):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def stop_after_first_step(process, transcripts, which):
+    deadline = time.monotonic() + 300
+    while not transcript_steps(transcripts):
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "no step finished"
+        time.sleep(0.2)
+    process.send_signal(which)
+    try:
+        output, _ = process.communicate(timeout=180)  # far less than the remaining steps would take
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("the run did not stop after the first signal")
+    return output
+
+
+@pytest.mark.parametrize(
+    ("recipe", "devices", "which"),
+    [
+        ("quickstart_hard", 1, signal.SIGTERM),
+        ("quickstart_hard", 1, signal.SIGINT),
+        ("grpo_nothink", 2, signal.SIGTERM),  # sent to rank 0 only: both ranks stop together
+    ],
+)
+def test_first_signal_checkpoints_and_stops_then_the_run_resumes(
+    recipe, devices, which, tmp_path, tiny_model_dir
+):
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    with ScriptedServer(Script()) as server:
+        lay_out_data(tmp_path)
+        config = twin_config(recipe, tmp_path, tiny_model_dir, server.url, steps=500, devices=devices)
+        run = tmp_path / "runs" / recipe
+        transcripts = run / "tensorboard" / "rollouts" / "train_rank0.jsonl"
+        output = stop_after_first_step(start_fit(tmp_path, config), transcripts, which)
+        assert f"stopped by {which.name}" in output, output[-3000:]
+        checkpoint = run / "checkpoints" / "last.ckpt"
+        stopped_at = read_checkpoint_state(checkpoint)["global_step"]
+        assert 1 <= stopped_at < 500
+        # Every finished step is in the transcripts once; a step cut short left nothing.
+        per_step = Counter(transcript_steps(transcripts))
+        assert sorted(per_step) == list(range(stopped_at)) and len(set(per_step.values())) == 1
+
+        run_fit(tmp_path, "--config", config, "--ckpt_path", "last", "--trainer.max_steps", stopped_at + 1)
+        assert read_checkpoint_state(checkpoint)["global_step"] == stopped_at + 1
+        resumed = Counter(transcript_steps(transcripts))
+        assert sorted(resumed) == list(range(stopped_at + 1)) and set(resumed.values()) == set(
+            per_step.values()
+        )
