@@ -853,8 +853,8 @@ class RLVERModule(L.LightningModule):
             flush=True,
         )
 
-    def _evaluate(self, batch: Sequence[Profile], batch_idx: int, split: str) -> None:
-        batch = list(batch)
+    def evaluation_rollouts(self, profiles: Sequence[Profile], seed: int) -> list[Trajectory]:
+        """Dialogues with `profiles` at `eval_temperature` (greedy by default), weights as they are now."""
         settings = self.rollout_settings
         eval_settings = RolloutSettings(
             settings.max_turns,
@@ -867,11 +867,16 @@ class RLVERModule(L.LightningModule):
         previous, self.runner.settings = self.runner.settings, eval_settings
         try:
             with self._generation_weights():
-                trajectories = self.runner.run(
-                    batch, seed=settings.seed + 7919 * self.global_rank + batch_idx
-                )
+                return self.runner.run(list(profiles), seed=seed)
         finally:
             self.runner.settings = previous
+
+    def _evaluate(self, batch: Sequence[Profile], batch_idx: int, split: str) -> None:
+        batch = list(batch)
+        settings = self.rollout_settings
+        trajectories = self.evaluation_rollouts(
+            batch, seed=settings.seed + 7919 * self.global_rank + batch_idx
+        )
         self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
         if split == "test":
             self._test_trajectories.extend(trajectories)

@@ -309,7 +309,8 @@ def test_two_process_resume_from_last_is_exact(tmp_path, tiny_model_dir, server)
 def test_quickstart_twin_with_a_vllm_engine_per_rank(tmp_path, tiny_model_dir):
     """Each rank runs its own in-process vLLM engine and pushes its updated weights into it."""
     config = twin_config("quickstart", tmp_path, tiny_model_dir, "", steps=2, vllm=True)
-    run_fit(tmp_path, "--config", config)
+    result = run_fit(tmp_path, "--config", config)
+    assert result.stdout.count("greedy mean final emotion") == 1  # rank 0 prints it
     per_rank = digests(tmp_path)
     assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
     scalars = read_scalars(tmp_path / "runs" / "quickstart" / "tensorboard")
@@ -321,9 +322,13 @@ def test_quickstart_twin_with_a_vllm_engine_per_rank(tmp_path, tiny_model_dir):
 @pytest.mark.parametrize("recipe", ["quickstart_hard", "curriculum"])
 def test_laptop_recipe_twin_trains(recipe, tmp_path, tiny_model_dir):
     config = twin_config(recipe, tmp_path, tiny_model_dir, "", steps=2, devices=1)
-    run_fit(tmp_path, "--config", config)
+    result = run_fit(tmp_path, "--config", config)
     (digest,) = digests(tmp_path, ranks=1)
     assert digest["step"] == 2
+    # The recipe's own before/after evaluation closes the run, with where to look next.
+    assert "greedy mean final emotion of 16 held-out users" in result.stdout
+    assert "before training" in result.stdout and "after 2 steps" in result.stdout
+    assert f"runs/{recipe}/checkpoints/last.ckpt" in result.stdout
 
 
 def test_sentient_eval_twin_on_two_processes(tmp_path, tiny_model_dir, server):

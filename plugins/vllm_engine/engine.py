@@ -69,6 +69,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"gpu_memory_utilization ({gpu_memory_utilization}) must be within (0, 1]")
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) must be >= 1")
+        if dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype ({dtype!r}) must be auto, bfloat16, float16 or float32")
         if cpu_kv_cache_gib < 1:
             raise ValueError(f"cpu_kv_cache_gib ({cpu_kv_cache_gib}) must be >= 1")
         self.policy = policy
@@ -79,6 +81,7 @@ class VLLMEngine(RolloutEngine):
         vllm = _import_vllm()
         # bfloat16 only where it is native: emulated bf16 on a CPU without it is 10-400x slower.
         engine_dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        self.weight_dtype = getattr(torch, engine_dtype)
         if reason:
             rank_zero_info(f"rlver: {reason}")
         options: dict[str, Any] = {
@@ -147,7 +150,9 @@ class VLLMEngine(RolloutEngine):
         if not self.sync_every_step:
             return
         self._wake()
-        weights = list(_named_weights(self.policy.model))
+        # Handed over in the engine's own dtype: vLLM would cast each tensor itself, with a
+        # warning per tensor (hundreds per sync).
+        weights = [(name, tensor.to(self.weight_dtype)) for name, tensor in _named_weights(self.policy.model)]
 
         def reload(worker: Any) -> None:
             worker.model_runner.reload_weights(weights_iterator=iter(weights))
