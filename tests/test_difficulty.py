@@ -282,7 +282,7 @@ class _StopAfterRollout(Exception):
 class _RecordingRunner:
     """Stands in for the RolloutRunner: records the dialogues training_step asks for, then stops."""
 
-    def run(self, dialogues, seed, group_size=1):
+    def run(self, dialogues, seed, **options):  # group_size, should_stop, ...: not needed here
         self.dialogues = list(dialogues)
         raise _StopAfterRollout
 
