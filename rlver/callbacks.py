@@ -8,6 +8,8 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from rlver.console import phase
+
 
 class BeforeAfter(L.Callback):
     """Shows that the policy learned: held-out users' mean final emotion before and after training.
@@ -36,12 +38,21 @@ class BeforeAfter(L.Callback):
         trajectories = pl_module.evaluation_rollouts(profiles, seed=pl_module.rollout_settings.seed)
         return [t.final_emotion for t in trajectories]
 
+    def _users(self, trainer: L.Trainer) -> str:
+        count = len(trainer.datamodule.profiles(self.split))
+        return f"{min(count, self.limit) if self.limit else count} held-out users"
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.runner.engine.sync_weights()  # an engine with its own copy must hold these weights
-        self.before = self._finals(trainer, pl_module) if trainer.global_step == 0 else None
+        if trainer.global_step != 0:
+            self.before = None
+            return
+        with phase(f"talking with {self._users(trainer)} before training (greedy)"):
+            self.before = self._finals(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        after = self._finals(trainer, pl_module)
+        with phase(f"talking with {self._users(trainer)} after training (greedy)"):
+            after = self._finals(trainer, pl_module)
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
         checkpoint = os.path.join(_checkpoint_dir(trainer), "last.ckpt")
         if trainer.global_rank != 0:

@@ -16,6 +16,7 @@ from typing import Any
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
 from rlver import __version__
+from rlver.console import quiet_libraries, take_verbose_flag
 from rlver.data.datamodule import ProfileDataModule
 from rlver.models import ModelError
 from rlver.module import RLVERModule
@@ -287,11 +288,18 @@ commands:
   score      score transcript files (Sentient benchmark): leaderboard and emotion plot
   plugins    list installed plugins and what they register (JSON)
 
+`--verbose` anywhere (or RLVER_VERBOSE=1) also shows the libraries' own logging and warnings.
+
 `rlver <command> --help` shows a command's options."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:  # Lightning reads sys.argv itself (and re-runs it for other ranks)
+        sys.argv[1:] = take_verbose_flag(sys.argv[1:])
+        args = sys.argv[1:]
+    else:
+        args = take_verbose_flag(list(argv))
+    quiet_libraries()
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0

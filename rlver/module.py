@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from rlver.batch import RolloutBatch, build_batch, placeholder_batch, token_logprobs
+from rlver.console import phase
 from rlver.critic import ValueModel
 from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
 from rlver.distributed import (
@@ -301,16 +302,18 @@ class RLVERModule(L.LightningModule):
         self._share_cpu_cores()
         if self._trainer is not None:
             use_sharded_checkpoint_reader(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
-        self.configure_model()
-        for reference in self._reference:
-            reference.to(self.device)
-        policy = Policy(
-            model=self.policy_model,
-            tokenizer=self.tokenizer,
-            path=resolve_model_path(self.hparams.policy),
-            name=str(self.hparams.policy),
-        )
-        self.runner = self.rollout_runner(policy)
+        engine = self.component_specs["engine"].get("name", "?")
+        with phase(f"loading {self.hparams.policy} and the {engine} engine"):
+            self.configure_model()
+            for reference in self._reference:
+                reference.to(self.device)
+            policy = Policy(
+                model=self.policy_model,
+                tokenizer=self.tokenizer,
+                path=resolve_model_path(self.hparams.policy),
+                name=str(self.hparams.policy),
+            )
+            self.runner = self.rollout_runner(policy)
 
     def _share_cpu_cores(self) -> None:
         """Several ranks on one CPU machine: split the cores instead of each taking them all.

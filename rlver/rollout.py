@@ -377,9 +377,18 @@ class RolloutRunner:
                 openings[index] = opening
         return [opening for opening in openings if opening is not None]
 
+    def system_prompt(self, profile: Profile) -> str:
+        """The format's explicit prompt, else the simulator protocol's own, else the format's."""
+        fmt = self.prompt_format
+        if fmt.custom_prompt is None:
+            protocol = self.simulator.policy_system_prompt(profile, thinking=fmt.thinking)
+            if protocol is not None:
+                return fmt.adapt_system_prompt(protocol, profile)
+        return fmt.system_prompt(profile)
+
     def _open(self, session: UserSession, seed: int, opening: UserTurn) -> _Dialogue:
         profile = session.profile
-        system_prompt = self.prompt_format.system_prompt(profile)
+        system_prompt = self.system_prompt(profile)
         trajectory = Trajectory(profile, seed, system_prompt, components=self.components)
         level = getattr(session, "difficulty", None)  # a Difficulty, a name, or absent
         trajectory.difficulty = getattr(level, "name", level)

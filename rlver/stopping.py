@@ -17,8 +17,8 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_info
 
+from rlver.console import note
 from rlver.rollout import StopRequested
 
 __all__ = ["GracefulStop", "StopRequested", "graceful_stop"]
@@ -83,8 +83,8 @@ class GracefulStop(L.Callback):
         path = _last_checkpoint_path(trainer)
         trainer.save_checkpoint(path)
         trainer.should_stop = True
-        rank_zero_info(
-            f"rlver: stopped by {self.requested or 'another rank'} after step {trainer.global_step}; "
+        note(
+            f"stopped by {self.requested or 'another rank'} after step {trainer.global_step}; "
             f"resume with --ckpt_path {path}"
         )
 

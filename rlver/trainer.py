@@ -6,11 +6,12 @@ import os
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
 
+from rlver.console import is_verbose, note
 from rlver.precision import resolve_precision
+from rlver.progress import StepProgress
 from rlver.stopping import GracefulStop
 
 
@@ -22,6 +23,8 @@ class Trainer(L.Trainer):
     resumed run keeps writing where it was), and a ModelCheckpoint without a `dirpath` writes to
     `<default_root_dir>/checkpoints`. `--trainer.default_root_dir DIR` moves all of it.
     The first SIGTERM or Ctrl-C stops the run within a step with `last.ckpt` (rlver.stopping).
+    Unless a progress bar is configured, rlver's StepProgress shows steps and the reward, and the
+    model summary table is left out (both: rlver.console's quiet defaults; --verbose shows it).
 
     Args:
         precision: As Lightning's, plus "auto": bf16-mixed where the device computes bfloat16
@@ -32,10 +35,16 @@ class Trainer(L.Trainer):
     def __init__(self, *args: Any, precision: str | int | None = "auto", **kwargs: Any) -> None:
         precision, reason = resolve_precision(precision, kwargs.get("accelerator", "auto"))
         if reason:
-            rank_zero_info(f"rlver: {reason}")
+            note(reason)
+        # The table of parameters repeats what the policy's name says; shown when verbose.
+        kwargs.setdefault("enable_model_summary", is_verbose())
         root = kwargs.get("default_root_dir") or os.getcwd()
         if kwargs.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(save_dir=root, name="tensorboard", version="")
+        callbacks = kwargs.get("callbacks") or []
+        callbacks = list(callbacks) if isinstance(callbacks, list | tuple) else [callbacks]
+        if kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [StepProgress(), *callbacks]  # steps and reward, not an epoch's batches
         super().__init__(*args, precision=precision, **kwargs)
         for callback in self.callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:

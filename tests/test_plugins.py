@@ -16,7 +16,7 @@ from tests.conftest import REPO, run_cli
 HOOK_NAMES = sorted(name for name in dir(hookspecs) if name.startswith("rlver_"))
 BUILTINS = {
     "embedded_user": {"simulators": ["embedded"]},
-    "sage_user": {"simulators": ["sage"]},
+    "sage_user": {"simulators": ["sage", "sage_official", "rlver_reference"]},
     "formats": {"formats": ["think", "nothink"]},
     "hf_engine": {"engines": ["hf"]},
     "vllm_engine": {"engines": ["vllm"]},

@@ -84,11 +84,18 @@ class ThinkFormat(_BaseFormat):
         system_prompt: Replace the built-in system prompt with this text.
     """
 
+    thinking = True
+
     def system_prompt(self, profile: Profile) -> str:
         if self.custom_prompt is not None:
             return self.custom_prompt
         language = self._language_for(profile)
         return BASE_PROMPTS[language] + THINK_INSTRUCTIONS[language]
+
+    def adapt_system_prompt(self, prompt: str, profile: Profile) -> str:
+        if _OPEN in prompt:  # it already asks for <think> (the RLVER reference's think prompt)
+            return prompt
+        return prompt + THINK_INSTRUCTIONS[self._language_for(profile)]
 
     def parse(self, completion: str) -> ParsedReply:
         text = completion.strip()

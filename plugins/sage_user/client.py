@@ -159,10 +159,12 @@ class ChatClient:
         seed: int,
         stats: Counter[str] | None = None,
         response_format: dict[str, Any] | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> str:
         """The assistant text for `messages`; raises EndpointError / EndpointConfigError.
 
-        `stats`, when given, also counts this call's retries (for the transcript).
+        `stats`, when given, also counts this call's retries (for the transcript);
+        `extra_body` adds server-specific fields (e.g. vLLM's `structured_outputs`).
         """
         payload = {
             "model": self.settings.model,
@@ -174,6 +176,8 @@ class ChatClient:
         }
         if response_format is not None:
             payload["response_format"] = response_format
+        if extra_body:
+            payload.update(extra_body)
         key = ResponseCache.key(payload) if self.cache is not None else ""
         if self.cache is not None:
             cached = self.cache.get(key)

@@ -22,6 +22,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -96,6 +97,9 @@ class Script:
     """What the server does. `faults[(marker, kind, n)]` is one of FAULTS."""
 
     faults: dict[tuple[str, str, int], str] = field(default_factory=dict)
+    # Answers every request instead of the built-in user (e.g. recorded answers in a replay);
+    # None from it means "no answer for this request": HTTP 400, and the client gives up.
+    responder: Callable[[dict[str, Any]], str | None] | None = None
     latency: float = 0.0
     timeout_delay: float = 3.0
     api_key: str | None = None
@@ -183,7 +187,13 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "timeout":
             time.sleep(script.timeout_delay)
         messages = payload.get("messages") or []
-        if fault in ("no_change", "words", "fullwidth", "no_response"):
+        if script.responder is not None and fault is None:
+            answer = script.responder(payload)
+            if answer is None:
+                self._send(400, {"error": {"message": "the responder has no answer for this request"}})
+                return
+            content = answer
+        elif fault in ("no_change", "words", "fullwidth", "no_response"):
             content = malformed(kind, fault)
         else:
             content = {"plan": planning_answer, "reply": reply_answer, "open": opening_answer}[kind](messages)

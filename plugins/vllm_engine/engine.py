@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
+from rlver.console import note
 from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
 from rlver.models import Policy
 from rlver.precision import resolve_dtype
@@ -83,7 +83,7 @@ class VLLMEngine(RolloutEngine):
         engine_dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
         self.weight_dtype = getattr(torch, engine_dtype)
         if reason:
-            rank_zero_info(f"rlver: {reason}")
+            note(reason)
         options: dict[str, Any] = {
             "model": policy.path,
             "tokenizer": policy.path,
