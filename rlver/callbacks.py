@@ -59,6 +59,9 @@ class BeforeAfter(L.Callback):
             return
         mean_after = summarize_finals(after)
         lines = [f"\nrlver: greedy mean final emotion of {len(after)} held-out users ({self.split})"]
+        if 0 < trainer.global_step < (trainer.max_steps or 0) and not trainer.interrupted:
+            stopped = f"stopped at step {trainer.global_step} of {trainer.max_steps}"
+            lines.append(f"  ({stopped}: max_time or a stop signal)")
         if self.before is not None:
             mean_before = summarize_finals(self.before)
             improved = sum(a > b for a, b in zip(after, self.before, strict=True))

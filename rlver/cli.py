@@ -13,16 +13,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
-
-from rlver import __version__
 from rlver.console import quiet_libraries, take_verbose_flag
-from rlver.data.datamodule import ProfileDataModule
-from rlver.models import ModelError
-from rlver.module import RLVERModule
-from rlver.plugins import PluginError, get_registry, plain_config
-from rlver.rollout import RolloutRunner, summarize
-from rlver.transcripts import TranscriptWriter
+
+quiet_libraries()  # before torch loads (below): its C++ warnings read their level once
+
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
+
+from rlver import __version__  # noqa: E402
+from rlver.data.datamodule import ProfileDataModule  # noqa: E402
+from rlver.models import ModelError  # noqa: E402
+from rlver.module import RLVERModule  # noqa: E402
+from rlver.plugins import PluginError, get_registry, plain_config  # noqa: E402
+from rlver.rollout import RolloutRunner, summarize  # noqa: E402
+from rlver.transcripts import TranscriptWriter  # noqa: E402
 
 # Sections of a training config that `rlver rollout` reads past without using.
 _TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything")

@@ -26,7 +26,7 @@ _INFO_LOGGERS = ("lightning.pytorch", "lightning.fabric", "httpx", "filelock")
 # Warnings that libraries raise on every healthy run (text as the library words it).
 _HARMLESS_WARNINGS = (
     # rlver optimizes manually; Lightning's advice about checkpoint frequency does not apply.
-    r".*`ModelCheckpoint\(every_n_train_steps=\d+\)` .*manual optimization.*",
+    r"Using ModelCheckpoint with manual optimization and every_n_train_steps.*",
     r".*is not supported by the model summary.*",
     r".*`isinstance\(treespec, LeafSpec\)` is deprecated.*",
     r".*`torch.distributed.reduce_op` is deprecated.*",
@@ -39,7 +39,14 @@ _HARMLESS_WARNINGS = (
 
 
 def is_verbose() -> bool:
+    if VERBOSE_FLAG in sys.argv[1:] and _invoked_as_rlver():  # before main() takes the flag out
+        return True
     return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _invoked_as_rlver() -> bool:
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return program == "rlver" or sys.argv[0].endswith(os.path.join("rlver", "cli.py"))
 
 
 def take_verbose_flag(argv: list[str]) -> list[str]:
@@ -51,10 +58,11 @@ def take_verbose_flag(argv: list[str]) -> list[str]:
 
 
 def quiet_libraries() -> None:
-    """Silence library chatter unless verbose. Call before vLLM or transformers are imported.
+    """Silence library chatter unless verbose. Call before torch, vLLM or transformers load
+    (rlver.cli does so on import): torch's C++ logging reads its level once, at load.
 
     Environment variables (rather than logger levels) reach the libraries' own subprocesses
-    too; a value the user set is kept.
+    too; a value the user set is kept. Idempotent.
     """
     if is_verbose():
         return
@@ -66,6 +74,9 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in _INFO_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    # vLLM sets its level from VLLM_LOGGING_LEVEL when its logger module loads; some of its
+    # modules warn before that (e.g. about Triton on CPU), through Python's last-resort handler.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
     for pattern in _HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     try:  # transformers reads its env var when first imported; an earlier import needs telling

@@ -302,7 +302,8 @@ class RLVERModule(L.LightningModule):
         self._share_cpu_cores()
         if self._trainer is not None:
             use_sharded_checkpoint_reader(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
-        engine = self.component_specs["engine"].get("name", "?")
+        engine = self.component_specs["engine"]
+        engine = engine if isinstance(engine, str) else engine.get("name", "?")
         with phase(f"loading {self.hparams.policy} and the {engine} engine"):
             self.configure_model()
             for reference in self._reference:

@@ -59,6 +59,22 @@ class GracefulStop(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore()
+        self._save_final_state(trainer)
+
+    @staticmethod
+    def _save_final_state(trainer: L.Trainer) -> None:
+        """A run that ends between checkpoints (`max_time`, `max_steps` off the checkpoint
+        interval) still leaves `last.ckpt` at its final step, where a `save_last` asks for one."""
+        checkpoints = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.save_last]
+        if not checkpoints or trainer.global_step == 0:
+            return
+        saved_at = getattr(checkpoints[0], "_last_global_step_saved", None)
+        if saved_at == trainer.global_step:
+            return
+        trainer.save_checkpoint(_last_checkpoint_path(trainer))
+        for callback in checkpoints:  # it is theirs now: no second copy of the same state
+            callback._last_global_step_saved = trainer.global_step
+            callback._last_checkpoint_saved = callback.last_model_path
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException

@@ -37,7 +37,8 @@ class Trainer(L.Trainer):
         if reason:
             note(reason)
         # The table of parameters repeats what the policy's name says; shown when verbose.
-        kwargs.setdefault("enable_model_summary", is_verbose())
+        if kwargs.get("enable_model_summary") is None:
+            kwargs["enable_model_summary"] = is_verbose()
         root = kwargs.get("default_root_dir") or os.getcwd()
         if kwargs.get("logger") in (None, True):
             kwargs["logger"] = TensorBoardLogger(save_dir=root, name="tensorboard", version="")

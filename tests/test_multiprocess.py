@@ -26,12 +26,21 @@ from tests.conftest import OFFICIAL_SAMPLE, REPO, run_cli
 
 pytestmark = pytest.mark.slow
 
-PAPER_RECIPES = ["ppo_think", "ppo_nothink", "grpo_think", "grpo_nothink", "env_normal", "env_hard"]
+PAPER_RECIPES = [
+    "ppo_think",
+    "ppo_nothink",
+    "grpo_think",
+    "grpo_nothink",
+    "env_normal",
+    "env_hard",
+    "ppo_think_reference_user",  # the RLVER reference's own user code (needs ../shared/sage-protocol)
+]
 TWIN_KEYS = {  # what a twin may change; everything else in the recipe stays as it is
     "trainer": {"accelerator", "devices", "num_nodes", "strategy", "precision", "max_steps", "callbacks"},
     "model": {"policy", "dtype", "simulator", "rollout", "engine"},
 }
 API_KEY = "sk-twin-test-not-a-secret"
+SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
 
 
 def twin_config(
@@ -56,8 +65,15 @@ def twin_config(
     if isinstance(model.get("engine"), dict) and model["engine"].get("name") == "vllm":
         # vLLM costs ~15 s a rank to start on CPU: the twins that check it keep it, in float32.
         model["engine"] = {**model["engine"], "dtype": "float32", "cpu_kv_cache_gib": 1} if vllm else "hf"
-    if isinstance(model["simulator"], dict) and model["simulator"].get("name") == "sage":
-        model["simulator"] = {**model["simulator"], "base_url": server_url, "timeout": 5}
+    simulator = model["simulator"] if isinstance(model["simulator"], dict) else {}
+    if simulator.get("name") == "sage":
+        model["simulator"] = {**simulator, "base_url": server_url, "timeout": 5}
+    elif simulator.get("name") in ("sage_official", "rlver_reference"):
+        if not SAGE_PROTOCOL.is_dir():
+            pytest.skip(
+                "the twin of a recipe running SAGE's / RLVER's own code needs ../shared/sage-protocol"
+            )
+        model["simulator"] = {**simulator, "base_url": server_url, "timeout": 5, "code": str(SAGE_PROTOCOL)}
     model["rollout"] = {**model.get("rollout", {}), "max_turns": 2, "max_new_tokens": 16}
     model["rollout"]["max_context_tokens"] = 1024
     for section, allowed in TWIN_KEYS.items():
@@ -198,6 +214,15 @@ def test_paper_recipe_twin_trains_on_two_processes(recipe, tmp_path, tiny_model_
     assert any(name.startswith("value_model.") for name in per_rank[0]["tensors"]) == recipe.startswith(
         ("ppo", "env")
     )
+    if recipe.endswith("reference_user"):  # the reference's own think prompt reached the policy
+        first = json.loads(
+            (tmp_path / "runs" / recipe / "tensorboard" / "rollouts" / "train_rank0.jsonl")
+            .read_text()
+            .splitlines()[0]
+        )
+        assert (
+            first["system_prompt"].strip().startswith("你在和你的朋友聊天") and first["start_emotion"] == 30
+        )
     run_dir = tmp_path / "runs" / recipe
     scalars = read_scalars(run_dir / "tensorboard")
     assert len(scalars["reward/total"]) == 2 and len(scalars["ppo/grad_norm"]) == 2
@@ -331,9 +356,10 @@ def test_laptop_recipe_twin_trains(recipe, tmp_path, tiny_model_dir):
     assert f"runs/{recipe}/checkpoints/last.ckpt" in result.stdout
 
 
-def test_sentient_eval_twin_on_two_processes(tmp_path, tiny_model_dir, server):
-    """`rlver test` on the benchmark recipe: both ranks' dialogues are scored together."""
-    config = twin_config("sentient_eval", tmp_path, tiny_model_dir, server.url, devices=2)
+@pytest.mark.parametrize("recipe", ["sentient_eval", "sentient_eval_own_prompts"])
+def test_sentient_eval_twin_on_two_processes(recipe, tmp_path, tiny_model_dir, server):
+    """`rlver test` on the benchmark recipes: both ranks' dialogues are scored together."""
+    config = twin_config(recipe, tmp_path, tiny_model_dir, server.url, devices=2)
     twin = yaml.safe_load(config.read_text())
     twin["trainer"].pop("max_steps")
     twin["trainer"]["callbacks"] = []
@@ -342,7 +368,7 @@ def test_sentient_eval_twin_on_two_processes(tmp_path, tiny_model_dir, server):
     assert "Sentient benchmark (100 dialogues" in result.stdout
     records = [
         json.loads(line)
-        for path in sorted((tmp_path / "runs" / "sentient" / "sentient").glob("*.jsonl"))
+        for path in sorted((tmp_path / "runs" / recipe.replace("_eval", "") / "sentient").glob("*.jsonl"))
         for line in path.read_text().splitlines()
     ]
     assert len(records) == 100 and len({r["id"] for r in records}) == 100

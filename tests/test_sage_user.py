@@ -612,3 +612,54 @@ def test_the_policys_thinking_never_reaches_the_user_model(policy):
         history = to_sage_record(trajectory)["history"]
         replies = [m for m in history if m["role"] == "assistant"]
         assert all(m["think"] == "SECRET-PLAN-42" and "SECRET" not in m["content"] for m in replies)
+
+
+SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
+def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vllm_user_endpoint):
+    """`rlver test` with `sage_official`: SAGE's prompts to SmolLM2 behind `vllm serve`, 3 users x 2
+    turns; the server's structured outputs hold each answer to the format SAGE's parser reads."""
+    root = tmp_path / "run"
+    config = tmp_path / "official.yaml"
+    config.write_text(
+        textwrap.dedent(f"""
+        trainer: {{accelerator: cpu, devices: 1, precision: 32-true, default_root_dir: {root}, limit_test_batches: 1}}
+        model:
+          policy: smollm2-135m-instruct
+          engine: hf
+          simulator:
+            name: sage_official
+            code: {SAGE_PROTOCOL}
+            base_url: {vllm_user_endpoint}
+            model: smollm2-user
+            structured: true
+            field_max_chars: 24
+            max_tokens: 400
+            timeout: 240
+            max_retries: 1
+          prompt_format: nothink
+          rollout: {{max_turns: 2, max_new_tokens: 24, max_context_tokens: 8192}}
+        data:
+          test_files: [builtin:sentient_test]
+          batch_size: 3
+        """)
+    )
+    result = run_cli("test", "--config", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records_path = next((root / "sentient").glob("*.jsonl"))
+    records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == 3
+    moved = 0
+    for record in records:
+        spoken = [m for m in record["history"] if m["role"] == "user"]
+        assert spoken[0]["emotion-point"] == 40 and 2 <= len(spoken) <= 3  # the opening, 1-2 reactions
+        for before, after in itertools.pairwise(spoken):
+            change = after["planning"]["change"]
+            assert abs(change) <= 10 and after["emotion-point"] == min(100, before["emotion-point"] + change)
+            assert after["content"]
+            moved += change != 0
+    assert "Score" in result.stdout
+    print(result.stdout, "emotion moved on", moved, "of 6 turns")

@@ -1,8 +1,9 @@
-"""The Sentient benchmark recipe end to end: `rlver test` on recipes/sentient_eval.yaml.
+"""The Sentient benchmark recipes end to end: `rlver test` on recipes/sentient_eval*.yaml.
 
-The recipe runs as written except for what a CPU test must change: the real
+The recipes run as written except for what a CPU test must change: the real
 SmolLM2 policy on the hf engine, two of the 100 users, and the user model played
-by the scripted server on 127.0.0.1 (real sockets, SAGE's prompts and format).
+by the scripted server on 127.0.0.1 (real sockets). `sentient_eval.yaml` runs SAGE's
+own code (from ../shared/sage-protocol here); `sentient_eval_own_prompts.yaml` rlver's prompts.
 """
 
 import itertools
@@ -30,7 +31,7 @@ def numbers(text, *names):
 
 
 def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path):
-    recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval.yaml").read_text())
+    recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval_own_prompts.yaml").read_text())
     root = tmp_path / "sentient"
     with ScriptedServer(Script()) as server:
         recipe["trainer"].update(
@@ -101,3 +102,56 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path)
         "Failure": sum(f < 10 for f in finals),
     }
     assert f"{printed['Score']:.1f}" in cells and str(int(printed["Failure"])) in cells
+
+
+SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
+
+
+@pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
+def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path):
+    """`rlver test` on recipes/sentient_eval.yaml: SAGE's prompts reach the user model, SAGE's
+    system prompt reaches the policy, and the records score as `rlver score` says."""
+    recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval.yaml").read_text())
+    root = tmp_path / "sentient"
+    with ScriptedServer(Script()) as server:
+        recipe["trainer"].update(
+            accelerator="cpu", precision="32-true", default_root_dir=str(root), limit_test_batches=1
+        )
+        recipe["trainer"]["logger"]["init_args"]["save_dir"] = str(root)
+        model = recipe["model"]
+        assert model["simulator"]["name"] == "sage_official" and "system_prompt" not in model["prompt_format"]
+        model.update(policy="smollm2-135m-instruct", dtype="float32", engine="hf")
+        model["simulator"].update(
+            code=str(SAGE_PROTOCOL), base_url=server.url, model="scripted-user", api_key_env=None,
+            cache_path=str(tmp_path / "c.sqlite"),
+        )  # fmt: skip
+        model["rollout"].update(max_turns=3, max_new_tokens=16, max_context_tokens=4096)
+        recipe["data"]["batch_size"] = 2
+        config = tmp_path / "sentient_official.yaml"
+        config.write_text(yaml.safe_dump(recipe, allow_unicode=True))
+        result = run_cli("test", "--config", config)
+        assert result.returncode == 0, result.stderr[-3000:]
+        requests = server.script.requests
+
+    # SAGE's own requests: one user message each, their planning and reply prompts.
+    assert requests and all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in requests)
+    assert all("emotion分析器" in r["messages"][0]["content"] or "Response:" in r["messages"][0]["content"]
+               for r in requests)  # fmt: skip
+    transcripts = [
+        json.loads(line) for line in (root / "rollouts" / "test_step0_rank0.jsonl").read_text().splitlines()
+    ]
+    npc = (SAGE_PROTOCOL / "SAGE" / "npc_response.py").read_text(encoding="utf-8")
+    assert all(t["system_prompt"] and t["system_prompt"] in npc for t in transcripts)
+    records_path = root / "sentient" / "smollm2-135m-instruct.jsonl"
+    records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
+    assert len(records) == 2
+    for record in records:
+        spoken = [m for m in record["history"] if m["role"] == "user"]
+        assert spoken[0]["emotion-point"] == 40 and 2 <= len(spoken) <= 10
+        for before, after in itertools.pairwise(spoken):  # SAGE's rule: change clamped to +-10, cap 100
+            assert after["emotion-point"] == min(
+                100, before["emotion-point"] + max(-10, min(10, after["planning"]["change"]))
+            )
+    printed = numbers(result.stdout, "Score")
+    finals = [r["emo_point"] for r in records]
+    assert printed["Score"] == round(sum(finals) / len(finals), 1)

@@ -85,3 +85,19 @@ def test_first_signal_checkpoints_and_stops_then_the_run_resumes(
         assert sorted(resumed) == list(range(stopped_at + 1)) and set(resumed.values()) == set(
             per_step.values()
         )
+
+
+def test_a_run_ending_between_checkpoints_leaves_last_ckpt_at_its_final_step(tmp_path, tiny_model_dir):
+    """max_steps (or max_time) off the checkpoint interval: last.ckpt still holds the final state."""
+    import yaml
+
+    config = twin_config("quickstart", tmp_path, tiny_model_dir, "", steps=3, devices=1)
+    twin = yaml.safe_load(config.read_text())
+    checkpoint = next(c for c in twin["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
+    checkpoint["init_args"]["every_n_train_steps"] = 2
+    twin["trainer"]["callbacks"] = [checkpoint]
+    config.write_text(yaml.safe_dump(twin))
+    run_fit(tmp_path, "--config", config)
+    folder = tmp_path / "runs" / "quickstart" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    assert read_checkpoint_state(folder / "last.ckpt")["global_step"] == 3

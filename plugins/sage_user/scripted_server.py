@@ -43,7 +43,10 @@ def call_kind(messages: list[dict[str, str]]) -> str:
     task = next((m["content"] for m in messages if m["role"] == "user"), "")
     if "Origin:" in task:  # checked first: the reply prompt quotes the planning answer
         return "reply"
-    return "plan" if "TargetCompletion:" in task else "open"
+    # SAGE's and rlver's planning ask for TargetCompletion:, the RLVER reference's for Reason:.
+    if "TargetCompletion:" in task or ("Reason:" in task and "Change:" in task):
+        return "plan"
+    return "open"
 
 
 def planning_answer(messages: list[dict[str, str]]) -> str:

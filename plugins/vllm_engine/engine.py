@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rlver.console import note
+from rlver.console import is_verbose, note
 from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
 from rlver.models import Policy
 from rlver.precision import resolve_dtype
@@ -95,6 +95,7 @@ class VLLMEngine(RolloutEngine):
             # Neutral defaults instead of the model's generation_config.json (top_k, repetition_penalty,
             # ...): explicit SamplingParams already ignore that file in vLLM 0.32, this keeps it so.
             "generation_config": "vllm",
+            "use_tqdm_on_load": is_verbose(),  # a progress bar for a sub-second load, and at every start
         }
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
