@@ -14,7 +14,7 @@ CHATTER = re.compile(r"\b(INFO|WARNING)\b|Warning:|💡|Tip:|GPU available|Seed 
 
 
 def test_verbose_flag_is_taken_out_of_the_arguments(monkeypatch):
-    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    monkeypatch.setenv(console.VERBOSE_ENV, "")  # recorded, so the "1" set below is undone
     assert console.take_verbose_flag(["fit", "--config", "x.yaml"]) == ["fit", "--config", "x.yaml"]
     assert not console.is_verbose()
     assert console.take_verbose_flag(["fit", "--verbose", "--config", "x.yaml"]) == [
@@ -34,9 +34,10 @@ def test_verbose_environment_variable(monkeypatch, value, verbose):
 
 
 def test_quiet_keeps_what_the_user_set(monkeypatch):
-    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    monkeypatch.setenv(console.VERBOSE_ENV, "")
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
-    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "")
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY")
     console.quiet_libraries()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
@@ -55,10 +56,13 @@ def test_a_phase_is_one_line_and_a_note_inside_it_does_not_break_it(capsys):
 
 
 @pytest.mark.slow
-def test_a_short_fit_prints_a_screenful_and_verbose_shows_the_rest(tmp_path, tiny_model_dir):
+def test_a_short_fit_prints_a_screenful_and_verbose_shows_the_rest(tmp_path, tiny_model_dir, monkeypatch):
     """The quickstart recipe (tiny model, vLLM kept) for 2 steps: rlver's phases, one line per step."""
     from tests.test_multiprocess import run_fit, twin_config
 
+    for name in (console.VERBOSE_ENV, "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "TORCH_CPP_LOG_LEVEL"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)  # a user's fresh shell: whatever earlier tests set is gone
     config = twin_config("quickstart", tmp_path, tiny_model_dir, "", devices=1, vllm=True)
     quiet = run_fit(tmp_path, "--config", config)
     output = (quiet.stdout + quiet.stderr).splitlines()

@@ -480,7 +480,7 @@ def vllm_user_endpoint(tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "smollm2-user",
         "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", "4096", "--dtype", "bfloat16",
+        "--enforce-eager", "--max-model-len", "8192", "--dtype", "bfloat16",  # SAGE's Chinese prompts: ~5k tokens
         "--no-enable-chunked-prefill",  # vLLM 0.32 CPU: seeded requests crash after a chunked prefill
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -649,7 +649,7 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
     )
     result = run_cli("test", "--config", config)
     assert result.returncode == 0, result.stderr[-3000:]
-    records_path = next((root / "sentient").glob("*.jsonl"))
+    records_path = next(root.rglob("sentient/*.jsonl"))
     records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
     assert len(records) == 3
     moved = 0
@@ -663,3 +663,20 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
             moved += change != 0
     assert "Score" in result.stdout
     print(result.stdout, "emotion moved on", moved, "of 6 turns")
+
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+def test_the_reply_call_sees_the_feeling_not_the_planning_content_or_number(language):
+    """SAGE's reply call gets TargetCompletion, Activity and Analyse only; `Change:` must not leak."""
+    with ScriptedServer(Script()) as server:
+        simulator = SageUserSimulator(server.url, "scripted-user", language=language, **FAST)
+        sessions = [simulator.open(person("Ana"), seed=0)]
+        simulator.opening_batch(sessions)
+        simulator.respond_batch(sessions, [EMPATHIC])
+        simulator.close()
+        requests = server.script.requests
+    reply = requests[-1]["messages"][-1]["content"]
+    assert call_kind(requests[-2]["messages"]) == "plan" and call_kind(requests[-1]["messages"]) == "reply"
+    assert "somewhat understood" in reply and "I weigh whether they get me" in reply and "partly" in reply
+    assert "the partner responds to my story" not in reply  # Content
+    assert "Change: +" not in reply and "Change: -" not in reply  # the number

@@ -39,7 +39,15 @@ class Planning:
     activity: str
     analyse: str
     change: int
-    text: str  # the whole answer, handed to the reply step
+    text: str  # the whole answer, as the model gave it (kept for the record)
+
+    def feedback(self, template: str) -> str:
+        """What the reply step is told: fit, inner reaction and feeling; not `Content` or `Change`."""
+        return template.format(
+            target_completion=self.target_completion.strip(),
+            activity=self.activity.strip(),
+            analyse=self.analyse.strip(),
+        )
 
     def record(self, applied: float) -> dict[str, object]:
         """The SAGE `planning` record (their key spellings), with the change actually applied."""

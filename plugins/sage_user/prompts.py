@@ -26,6 +26,9 @@ class PromptSet:
     goodbye: dict[str, str]  # "success" / "failure" -> how to end
     opening_task: str
     reask: str
+    # What of the planning the reply step sees: the fit with the need, the inner reaction and
+    # the feeling, never the content summary or the number (as in SAGE's reply call).
+    feedback: str
     speaker_user: str
     speaker_partner: str
     empty_history: str
@@ -107,6 +110,11 @@ ENGLISH = PromptSet(
         "Your answer could not be read: {problem}. Answer again in exactly the requested format, "
         "each field on its own line."
     ),
+    feedback=(
+        "Does the reply meet what you need: {target_completion}\n"
+        "What goes on in you: {activity}\n"
+        "How the reply lands: {analyse}"
+    ),
     speaker_user="You",
     speaker_partner="Partner",
     empty_history="(nothing yet)",
@@ -179,6 +187,7 @@ CHINESE = PromptSet(
         "Response: 你要说的话，后面不要再写任何内容"
     ),
     reask="你的回答无法读取：{problem}。请严格按要求的格式重新回答，每个字段单独一行。",
+    feedback="回复是否满足你的需要：{target_completion}\n你的内心活动：{activity}\n你对这条回复的感受：{analyse}",
     speaker_user="你",
     speaker_partner="对方",
     empty_history="（还没有对话）",

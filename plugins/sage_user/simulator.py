@@ -3,7 +3,8 @@
 Per turn and dialogue: a planning call judges the policy's reply as the persona
 and yields a signed change; the shared mechanics (`rlver.emotion`) scale, clamp
 and cap it and decide success or failure; a reply call answers in character
-from the band label and the planning text. All active dialogues' calls run
+from the band label and the planning's fit, inner reaction and feeling (never
+its content summary or number, as in SAGE). All active dialogues' calls run
 concurrently on the client's event loop.
 
 A dialogue never hangs and never gets a made-up emotion: an answer that does
@@ -366,7 +367,7 @@ class SageUserSession(UserSession):
                     self.difficulty,
                     self.prompts,
                     band(emotion),
-                    planning.text,
+                    planning.feedback(self.prompts.feedback),
                     self.history,
                     ending,
                 ),
