@@ -175,10 +175,15 @@ def export_command(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--ckpt", type=str, required=True, help="A checkpoint written by `rlver fit`.")
     parser.add_argument("--out", type=str, required=True, help="Folder to write (model + tokenizer).")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="A LoRA run: write only the adapter (peft format) instead of merged weights.",
+    )
     cfg = parser.parse_args(list(argv))
     from rlver.export import export_checkpoint
 
-    out = export_checkpoint(cfg.ckpt, cfg.out)
+    out = export_checkpoint(cfg.ckpt, cfg.out, adapter=cfg.adapter)
     print(f"exported {cfg.ckpt} -> {out}")
     return 0
 

@@ -10,6 +10,7 @@ ranks. Only the last actor optimizer step of an iteration advances
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from rlver.distributed import (
     use_sharded_checkpoint_reader,
 )
 from rlver.interfaces import AdvantageBatch, RolloutEngine
+from rlver.lora import LoraSettings, adapter_disabled, add_adapter, trainable_names
 from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
 from rlver.plugins import get_registry, plain_config, split_spec
 from rlver.rl.advantages import terminal_rewards
@@ -152,6 +154,10 @@ class RLVERModule(L.LightningModule):
         curriculum: Environment difficulty over training: a level (easy, normal, hard) or stages
             [{"until_step": 10, "mix": "easy"}, {"mix": {"normal": 1, "hard": 1}}]; each training
             profile draws its level, which wins over the simulator's own (None: no curriculum).
+        lora: Train low-rank adapters on the policy instead of all its weights (peft):
+            {rank, alpha, dropout, target_modules}. The optimizer and checkpoints hold only the
+            adapter; engines sample from the merged weights; with kl_coef > 0 the reference is
+            the same network with the adapter off. None: full fine-tuning.
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class RLVERModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         log_samples_every_n_steps: int = 10,
         curriculum: str | list[dict[str, Any]] | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -192,6 +199,9 @@ class RLVERModule(L.LightningModule):
                 raise ValueError(f"--model.{name} ({value}) must be within [0, 1)")
         self.rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
         self.ppo = _as_settings(PPOSettings, ppo, "--model.ppo")
+        self.lora = _as_settings(LoraSettings, lora, "--model.lora") if lora is not None else None
+        # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
+        self.strict_loading = self.lora is None
         if eval_temperature < 0:
             raise ValueError(f"--model.eval_temperature ({eval_temperature}) must be >= 0")
         self.curriculum = (
@@ -262,10 +272,23 @@ class RLVERModule(L.LightningModule):
             self.value_model = ValueModel(
                 resolve_model_path(hp.critic) if hp.critic else path, dtype=weight_dtype
             )
-        if self.ppo.kl_coef > 0:
+        if self.ppo.kl_coef > 0 and self.lora is None:  # with LoRA: the adapter switched off
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype).eval()
             reference.requires_grad_(False)
             self._reference = [reference]
+        if self.lora is not None:
+            self.policy_model = add_adapter(self.policy_model, self.lora)
+            if hp.gradient_checkpointing:  # frozen embeddings: checkpointed blocks still need an input grad
+                self.policy_model.enable_input_require_grads()
+            if self.value_model is not None:
+                # The critic: its own adapter on its own frozen copy of the base, plus the full
+                # value head. A shared base would save that copy but switch adapters in every
+                # forward; separate adapters keep the critic's gradients out of the policy.
+                self.value_model.backbone = add_adapter(
+                    self.value_model.backbone, self.lora, task_type="FEATURE_EXTRACTION"
+                )
+                if hp.gradient_checkpointing:
+                    self.value_model.backbone.enable_input_require_grads()
         self.policy_model.train()  # HF loads in eval mode; Lightning expects train mode while fitting
         if self.value_model is not None:
             self.value_model.train()
@@ -342,14 +365,15 @@ class RLVERModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         total_steps = max(int(self.trainer.max_steps if self.trainer.max_steps > 0 else 1000), 1)
-        optimizers = [
-            torch.optim.AdamW(self.policy_model.parameters(), lr=hp.actor_lr, weight_decay=hp.weight_decay)
-        ]
+        trainable = [p for p in self.policy_model.parameters() if p.requires_grad]  # all, or the adapter
+        optimizers = [torch.optim.AdamW(trainable, lr=hp.actor_lr, weight_decay=hp.weight_decay)]
         ratios = [hp.actor_warmup_ratio]
         if self.value_model is not None:
             optimizers.append(
                 torch.optim.AdamW(
-                    self.value_model.parameters(), lr=hp.critic_lr, weight_decay=hp.weight_decay
+                    [p for p in self.value_model.parameters() if p.requires_grad],
+                    lr=hp.critic_lr,
+                    weight_decay=hp.weight_decay,
                 )
             )
             ratios.append(hp.critic_warmup_ratio)
@@ -531,6 +555,10 @@ class RLVERModule(L.LightningModule):
             )
             if self._reference:
                 logits = self._reference[0](input_ids=ids, attention_mask=attention).logits
+                ref.append(token_logprobs(logits, ids, temperature))
+            elif self.lora is not None and self.ppo.kl_coef > 0:
+                with adapter_disabled(self.policy_model):
+                    logits = self.policy_model(input_ids=ids, attention_mask=attention).logits
                 ref.append(token_logprobs(logits, ids, temperature))
             if self.value_model is not None:
                 values.append(self.value_model(ids, attention))
@@ -901,6 +929,18 @@ class RLVERModule(L.LightningModule):
             "python": random.getstate(),
             "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached)],
         }
+        if self.lora is not None:
+            checkpoint.setdefault("hyper_parameters", {})["lora"] = dataclasses.asdict(self.lora)
+            networks = {"policy_model": self.policy_model, "value_model": self.value_model}
+            keep = {
+                f"{prefix}.{name}"
+                for prefix, network in networks.items()
+                if network is not None
+                for name in trainable_names(network)
+            }
+            state = checkpoint["state_dict"]
+            for key in [k for k in state if k.split(".", 1)[0] in networks and k not in keep]:
+                del state[key]  # frozen base weights: the model path has them
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()  # weights are loaded into the networks right after this hook

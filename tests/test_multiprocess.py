@@ -34,6 +34,7 @@ PAPER_RECIPES = [
     "env_normal",
     "env_hard",
     "ppo_think_reference_user",  # the RLVER reference's own user code (needs ../shared/sage-protocol)
+    "ppo_think_lora",  # LoRA adapters on policy and critic, sized for one GPU
 ]
 TWIN_KEYS = {  # what a twin may change; everything else in the recipe stays as it is
     "trainer": {"accelerator", "devices", "num_nodes", "strategy", "precision", "max_steps", "callbacks"},
@@ -235,8 +236,10 @@ def test_paper_recipe_twin_trains_on_two_processes(recipe, tmp_path, tiny_model_
         .read_text()
         .splitlines()
     ]
-    group = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text())["model"]["group_size"]
-    assert len(transcripts) == 2 * 2 * group
+    original = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text())
+    group, batch = original["model"]["group_size"], original["data"]["batch_size"]
+    profiles = len((tmp_path / "data" / "rlver" / "train_profile.jsonl").read_text().splitlines())
+    assert len(transcripts) == 2 * 2 * group * min(batch, profiles // 2)
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
     assert checkpoint.exists()
     assert per_rank[0]["metrics"] == per_rank[1]["metrics"]  # the same keys on every rank

@@ -203,6 +203,6 @@ def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
     Under FSDP the shards are gathered first (a collective: every rank syncs its engine).
     """
-    from rlver.distributed import full_state_dict
+    from rlver.lora import inference_state_dict
 
-    yield from full_state_dict(model).items()
+    yield from inference_state_dict(model).items()  # LoRA adapters merged in
