@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlver.console import phase
+from rlver.stopping import last_checkpoint_path
 
 
 class BeforeAfter(L.Callback):
@@ -54,7 +53,7 @@ class BeforeAfter(L.Callback):
         with phase(f"talking with {self._users(trainer)} after training (greedy)"):
             after = self._finals(trainer, pl_module)
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
-        checkpoint = os.path.join(_checkpoint_dir(trainer), "last.ckpt")
+        checkpoint = last_checkpoint_path(trainer)
         if trainer.global_rank != 0:
             return
         mean_after = summarize_finals(after)
@@ -82,10 +81,3 @@ class BeforeAfter(L.Callback):
 
 def summarize_finals(finals: list[float]) -> float:
     return sum(finals) / max(len(finals), 1)
-
-
-def _checkpoint_dir(trainer: L.Trainer) -> str:
-    for callback in trainer.callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-            return str(callback.dirpath)
-    return os.path.join(trainer.default_root_dir, "checkpoints")

@@ -105,20 +105,27 @@ class GracefulStop(L.Callback):
         )
 
 
+def last_checkpoint_path(trainer: L.Trainer) -> str:
+    """Where the run's ModelCheckpoint keeps `last.ckpt` (or `<default_root_dir>/checkpoints/`)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+            return os.path.join(str(callback.dirpath), name)
+    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+
+
 def _last_checkpoint_path(trainer: L.Trainer) -> str:
-    """Where the run's ModelCheckpoint keeps `last.ckpt`, claimed as its own.
+    """`last_checkpoint_path`, claimed as the ModelCheckpoint's own.
 
     ModelCheckpoint would otherwise take a last.ckpt it did not write for someone else's
     and save the next one as last-v1.ckpt.
     """
+    path = last_checkpoint_path(trainer)
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-            path = os.path.join(
-                str(callback.dirpath), callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
-            )
             callback.last_model_path = path
-            return path
-    return os.path.join(trainer.default_root_dir, "checkpoints", "last.ckpt")
+            break
+    return path
 
 
 def graceful_stop(trainer: Any) -> GracefulStop | None:
