@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import sqlite3
 import threading
 from collections import Counter
@@ -68,6 +69,28 @@ class EndpointSettings:
     backoff_max_seconds: float = 30.0
     max_concurrency: int = 32
     requests_per_second: float | None = None
+
+
+def read_api_key(api_key_env: str | None, problems: list[str]) -> str | None:
+    """The key from the named environment variable (None without one); a missing one is a problem."""
+    if not api_key_env:
+        return None
+    api_key = os.environ.get(api_key_env)
+    if not api_key:
+        problems.append(f"api_key_env: the environment variable {api_key_env} is not set")
+    return api_key
+
+
+def open_client(
+    loop: LoopThread,
+    api_key: str | None,
+    cache_path: str | None,
+    cache_only: bool,
+    **settings: Any,
+) -> ChatClient:
+    """A ChatClient on `loop` with EndpointSettings(**settings) and the optional response cache."""
+    cache = ResponseCache(cache_path) if cache_path else None
+    return ChatClient(EndpointSettings(**settings), api_key, loop, cache=cache, cache_only=cache_only)
 
 
 class LoopThread:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import os
 import re
 import threading
 import types
@@ -55,9 +54,9 @@ from .client import (
     ChatClient,
     EndpointConfigError,
     EndpointError,
-    EndpointSettings,
     LoopThread,
-    ResponseCache,
+    open_client,
+    read_api_key,
 )
 
 SIMULATOR_ERROR = "simulator_error"
@@ -439,11 +438,7 @@ class _CodeDrivenSimulator(UserSimulator):
             problems.append("cache_only needs cache_path")
         if field_max_chars < 1:
             problems.append(f"field_max_chars ({field_max_chars}) must be >= 1")
-        api_key = None
-        if api_key_env:
-            api_key = os.environ.get(api_key_env)
-            if not api_key:
-                problems.append(f"api_key_env: the environment variable {api_key_env} is not set")
+        api_key = read_api_key(api_key_env, problems)
         if problems:
             raise ValueError(f"{self.protocol_class.name} simulator: " + "; ".join(problems))
         self.counters: Counter[str] = Counter()
@@ -457,7 +452,11 @@ class _CodeDrivenSimulator(UserSimulator):
         except SimulatorCodeError as error:
             raise ValueError(f"{self.protocol_class.name} simulator: {error}") from None
         self._loop = LoopThread(f"rlver-{self.protocol_class.name}")
-        settings = EndpointSettings(
+        self.client = open_client(
+            self._loop,
+            api_key,
+            cache_path,
+            cache_only,
             base_url=base_url,
             model=model,
             temperature=temperature,
@@ -470,8 +469,6 @@ class _CodeDrivenSimulator(UserSimulator):
             max_concurrency=max_concurrency,
             requests_per_second=requests_per_second,
         )
-        cache = ResponseCache(cache_path) if cache_path else None
-        self.client = ChatClient(settings, api_key, self._loop, cache=cache, cache_only=cache_only)
         self._pool = ThreadPoolExecutor(
             max_workers=max_concurrency, thread_name_prefix=self.protocol_class.name
         )

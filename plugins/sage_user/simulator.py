@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import os
 import re
 import weakref
 from collections import Counter
@@ -31,7 +30,7 @@ from rlver.interfaces import UserSession, UserSimulator
 from rlver.seeding import stable_hash
 from rlver.types import Profile, UserTurn
 
-from .client import ChatClient, EndpointError, EndpointSettings, LoopThread, ResponseCache
+from .client import ChatClient, EndpointError, LoopThread, open_client, read_api_key
 from .parsing import ParseFailure, Planning, UserReply, parse_planning, parse_reply
 from .prompts import (
     PROMPT_SETS,
@@ -152,11 +151,7 @@ class SageUserSimulator(UserSimulator):
             )
         if field_max_chars < 1:
             problems.append(f"field_max_chars ({field_max_chars}) must be >= 1")
-        api_key = None
-        if api_key_env:
-            api_key = os.environ.get(api_key_env)
-            if not api_key:
-                problems.append(f"api_key_env: the environment variable {api_key_env} is not set")
+        api_key = read_api_key(api_key_env, problems)
         try:
             self.difficulty: Difficulty = resolve_difficulty(difficulty)
         except (ValueError, TypeError) as error:
@@ -172,7 +167,11 @@ class SageUserSimulator(UserSimulator):
         self.max_reasks = max_reasks
         self.counters: Counter[str] = Counter()
         self._loop = LoopThread("rlver-sage-user")
-        settings = EndpointSettings(
+        self.client = open_client(
+            self._loop,
+            api_key,
+            cache_path,
+            cache_only,
             base_url=base_url,
             model=model,
             temperature=temperature,
@@ -185,8 +184,6 @@ class SageUserSimulator(UserSimulator):
             max_concurrency=max_concurrency,
             requests_per_second=requests_per_second,
         )
-        cache = ResponseCache(cache_path) if cache_path else None
-        self.client = ChatClient(settings, api_key, self._loop, cache=cache, cache_only=cache_only)
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
 
     def __reduce__(self) -> tuple[Any, ...]:
