@@ -8,6 +8,7 @@ are known when a config is read.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 
 from rlver import __version__  # noqa: E402
 from rlver.data.datamodule import ProfileDataModule  # noqa: E402
+from rlver.interfaces import SimulatorUnavailable  # noqa: E402
 from rlver.models import ModelError  # noqa: E402
 from rlver.module import RLVERModule  # noqa: E402
 from rlver.plugins import PluginError, get_registry, plain_config  # noqa: E402
@@ -237,11 +239,49 @@ def _lightning_cli_class() -> type:
     return RLVERCLI
 
 
+def check_config_files(argv: Sequence[str]) -> None:
+    """Every `--config FILE` reads as YAML, or a ValueError names the file, line and column.
+
+    jsonargparse would report a YAML error against "<unicode string>", without the file.
+    """
+    import yaml
+
+    paths = [value for flag, value in itertools.pairwise(argv) if flag == "--config"]
+    paths += [arg.split("=", 1)[1] for arg in argv if arg.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                _check_keys(yaml.safe_load(handle), path, ())
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"--config {path}: cannot read it ({error})") from None
+        except yaml.MarkedYAMLError as error:
+            mark = error.problem_mark or error.context_mark
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+            problem = " ".join(str(part) for part in (error.context, error.problem) if part)
+            raise ValueError(f"{where}: invalid YAML: {problem}") from None
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: invalid YAML: {error}") from None
+
+
+def _check_keys(tree: Any, path: str, where: tuple[str, ...]) -> None:
+    """Option names are strings (YAML reads `1:` or `null:` as a number or None)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if not isinstance(key, str):
+                under = ".".join(where) or "the top level"
+                raise ValueError(f"{path}: option name {key!r} under {under} is not a name")
+            _check_keys(value, path, (*where, key))
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            _check_keys(value, path, (*where, str(index)))
+
+
 def lightning_command(argv: Sequence[str]) -> int:
     get_registry()  # plugins first: their names and options must be known to the parser
+    check_config_files(argv)
     from rlver.trainer import Trainer
 
-    _lightning_cli_class()(
+    cli = _lightning_cli_class()(
         RLVERModule,
         ProfileDataModule,
         trainer_class=Trainer,
@@ -250,6 +290,11 @@ def lightning_command(argv: Sequence[str]) -> int:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"prog": "rlver"},
     )
+    fatal = getattr(cli.model, "fatal_error", None)
+    if fatal is not None:  # the run stopped itself (with last.ckpt) instead of going on without a user
+        if cli.trainer.global_rank != 0:
+            return 1  # rank 0 says it, once
+        raise fatal
     return 0
 
 
@@ -323,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PluginError, ModelError, ValueError) as error:
         print(f"rlver {command}: error: {error}", file=sys.stderr)
         return 2
+    except SimulatorUnavailable as error:
+        print(f"rlver {command}: error: {error}", file=sys.stderr)
+        return 1
     print(f"rlver: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -539,8 +540,48 @@ def _torch_checkpoint_io() -> type:
     return TorchCheckpointIO
 
 
-class ShardedCheckpointReader(_torch_checkpoint_io()):  # type: ignore[misc]
-    """Lightning's TorchCheckpointIO that also reads sharded checkpoint folders (weights only).
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """`torch.save` that leaves either the old file or the whole new one, never a torn one.
+
+    The bytes go to a hidden temporary file beside `path` (same filesystem, so the rename is
+    atomic), are fsynced, and replace `path` in one rename; the folder is fsynced so the rename
+    survives a power cut. A write that fails (a full disk, a kill) leaves `path` as it was;
+    the temporary files of writers that died are removed by the next write. Lightning's own
+    save goes through an in-memory copy (the whole checkpoint twice in RAM) and, with /tmp on
+    another filesystem, a non-atomic copy.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with temporary.open("wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+class AtomicCheckpointIO(_torch_checkpoint_io()):  # type: ignore[misc]
+    """Lightning's TorchCheckpointIO writing through `atomic_torch_save`."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r})")
+        atomic_torch_save(checkpoint, path)
+
+
+class ShardedCheckpointReader(AtomicCheckpointIO):
+    """AtomicCheckpointIO that also reads sharded checkpoint folders (weights only).
 
     Lets a single-process or DDP `trainer.test/validate(ckpt_path=<sharded folder>)` load the
     weights; resuming `fit` from such a folder still needs the sharded strategy (the optimizer
@@ -555,18 +596,21 @@ class ShardedCheckpointReader(_torch_checkpoint_io()):  # type: ignore[misc]
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
-def use_sharded_checkpoint_reader(strategy: Any) -> bool:
-    """Let `strategy` read sharded checkpoint folders; True when its checkpoint reader was replaced.
+def use_rlver_checkpoint_io(strategy: Any) -> bool:
+    """Atomic checkpoint files for `strategy`, and sharded-folder reading where it lacks it.
 
-    Only strategies that read through a plain TorchCheckpointIO are changed (single device,
-    DDP); FSDPStrategy and ModelParallelStrategy read sharded folders themselves. Call it
-    before the checkpoint is restored, e.g. in `LightningModule.setup`.
+    Strategies that read sharded folders themselves (FSDP, ModelParallel, DeepSpeed) get
+    AtomicCheckpointIO (used for their single-file, full-state-dict checkpoints); the others
+    (single device, DDP) get ShardedCheckpointReader. Only a plain TorchCheckpointIO is replaced:
+    a configured one stays. Returns whether it was replaced. Call it before the checkpoint is
+    restored, e.g. in `LightningModule.setup`.
     """
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
-    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy | DeepSpeedStrategy):
-        return False
     if type(strategy.checkpoint_io) is not _torch_checkpoint_io():
         return False
-    strategy.checkpoint_io = ShardedCheckpointReader()
+    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy | DeepSpeedStrategy):
+        strategy.checkpoint_io = AtomicCheckpointIO()
+    else:
+        strategy.checkpoint_io = ShardedCheckpointReader()
     return True

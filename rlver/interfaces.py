@@ -18,6 +18,15 @@ if TYPE_CHECKING:
 
 
 # --------------------------------------------------------------------------- simulators
+class SimulatorUnavailable(RuntimeError):
+    """The simulator cannot go on at all (endpoint down, key or model rejected).
+
+    Unlike a failure of one dialogue (termination "simulator_error", left out of the loss),
+    this ends the run: the trainer stops every rank together with `last.ckpt` at the last
+    finished step, and `rlver fit` exits with this message.
+    """
+
+
 class UserSession(ABC):
     """One simulated user in one dialogue. Owns all of that dialogue's user state."""
 

@@ -34,9 +34,9 @@ from rlver.distributed import (
     clip_grad_norm,
     gathered_for_generation,
     shard_for_strategy,
-    use_sharded_checkpoint_reader,
+    use_rlver_checkpoint_io,
 )
-from rlver.interfaces import AdvantageBatch, RolloutEngine
+from rlver.interfaces import AdvantageBatch, RolloutEngine, SimulatorUnavailable
 from rlver.lora import LoraSettings, adapter_disabled, add_adapter, trainable_names
 from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
 from rlver.plugins import get_registry, plain_config, split_spec
@@ -200,6 +200,7 @@ class RLVERModule(L.LightningModule):
         self.rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
         self.ppo = _as_settings(PPOSettings, ppo, "--model.ppo")
         self.lora = _as_settings(LoraSettings, lora, "--model.lora") if lora is not None else None
+        self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
         self.strict_loading = self.lora is None
         if eval_temperature < 0:
@@ -324,7 +325,7 @@ class RLVERModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         self._share_cpu_cores()
         if self._trainer is not None:
-            use_sharded_checkpoint_reader(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
+            use_rlver_checkpoint_io(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
         engine = self.component_specs["engine"]
         engine = engine if isinstance(engine, str) else engine.get("name", "?")
         with phase(f"loading {self.hparams.policy} and the {engine} engine"):
@@ -411,7 +412,19 @@ class RLVERModule(L.LightningModule):
                 )
         except StopRequested:
             trajectories = []
+        except SimulatorUnavailable as error:
+            # Nothing has changed this step: stop every rank with last.ckpt at the last finished
+            # step, then `rlver fit` exits with this message (an error on one rank stops all).
+            if stop is None:
+                raise
+            self.fatal_error = error
+            stop.requested = stop.requested or "the simulator becoming unavailable"
+            trajectories = []
         if stop is not None and stop.agree(self.trainer):
+            # Every rank learns why, so each exits with the error, not only the rank that saw it.
+            reasons = [r for r in self._gather_objects(str(self.fatal_error or "")) if r]
+            if reasons and self.fatal_error is None:
+                self.fatal_error = SimulatorUnavailable(reasons[0])
             return  # GracefulStop checkpoints the state as of the last finished step, and stops
         rollout_seconds = time.perf_counter() - rollout_started
         release_memory = getattr(self.runner.engine, "release_memory", None)
@@ -444,6 +457,8 @@ class RLVERModule(L.LightningModule):
             rollout_batch = placeholder_batch(self.tokenizer.pad_token_id)
             group_ids = torch.zeros(1, dtype=torch.long)
         rollout_batch.loss_mask[~valid[rollout_batch.sequence_dialogue]] = 0
+        trained = rollout_batch.sequence_dialogue[rollout_batch.loss_mask.sum(dim=1) > 0]
+        metrics["rollout/trained_dialogues"] = float(trained.unique().numel())  # summed over ranks
 
         # 4. old log-probs from the sampled ids, reference log-probs and values
         rollout_batch = rollout_batch.to(self.device)
@@ -513,7 +528,7 @@ class RLVERModule(L.LightningModule):
         )
         # Written once the step is done: a step dropped by a stop leaves no transcript behind.
         self._append_transcripts("train", trajectories, step)
-        self._log_metrics(metrics)
+        self._log_metrics(metrics, step=step)
         get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
         self._log_samples(trajectories, step)
 
@@ -786,22 +801,34 @@ class RLVERModule(L.LightningModule):
             reduce_sum,
         )
 
-    def _log_metrics(self, metrics: Mapping[str, float], **kwargs: Any) -> None:
+    def _log_metrics(self, metrics: Mapping[str, float], step: int | None = None, **kwargs: Any) -> None:
         """Log metrics of all ranks' dialogues, whatever keys each rank has.
 
         Ranks may report different keys (a rank whose dialogues all failed has no
         losses; simulators count only what happened), and per-key synchronisation
         would then hang. One gather merges them instead: counters are summed, the
         rest averaged over the ranks that report them.
+
+        A training step's metrics (`step` given) go to the loggers at once, under the step's
+        index, rather than after Lightning's end-of-batch hooks: so they are on disk before
+        the checkpoint written at the end of the step (rlver.resume flushes them), and a crash
+        right after that checkpoint loses none.
         """
         finite = {name: float(value) for name, value in metrics.items() if math.isfinite(value)}
         merged = merge_rank_metrics(self._gather_objects(finite))
         show = {"rollout/final_emotion", "reward/total", "val/final_emotion"}
+        to_loggers = step is None
         with warnings.catch_warnings():
             # Values are already identical on every rank; Lightning's advice to sync them is moot.
             warnings.filterwarnings("ignore", message=".*sync_dist=True.*")
             for name, value in merged.items():
-                self.log(name, value, prog_bar=name in show, sync_dist=False, batch_size=1, **kwargs)
+                options = {"prog_bar": name in show, "sync_dist": False, "batch_size": 1, **kwargs}
+                self.log(name, value, logger=to_loggers, **options)
+        if step is None or self._trainer is None:
+            return
+        if (step + 1) % self.trainer.log_every_n_steps == 0:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(merged, step=step)
 
     def _gather_objects(self, value: Any) -> list[Any]:
         """`value` from every rank, in rank order ([value] in one process)."""
@@ -823,9 +850,13 @@ class RLVERModule(L.LightningModule):
             return
         folder = directory / "rollouts"
         folder.mkdir(parents=True, exist_ok=True)
+        lines = "".join(
+            json.dumps({"step": step, **trajectory.to_record()}, ensure_ascii=False) + "\n"
+            for trajectory in trajectories
+        )
+        # One write: a kill can tear only the last line, which rlver.resume drops on resume.
         with (folder / f"{split}_rank{self.global_rank}.jsonl").open("a", encoding="utf-8") as handle:
-            for trajectory in trajectories:
-                handle.write(json.dumps({"step": step, **trajectory.to_record()}, ensure_ascii=False) + "\n")
+            handle.write(lines)
 
     def _log_samples(self, trajectories: Sequence[Trajectory], step: int) -> None:
         every = self.hparams.log_samples_every_n_steps
@@ -1025,7 +1056,12 @@ def _emotion_figure(trajectories: Sequence[Trajectory]):
 
 
 # Metrics that count events: summed over ranks, not averaged.
-SUMMED_METRICS = ("rollout/simulator_errors", "val/simulator_errors", "test/simulator_errors")
+SUMMED_METRICS = (
+    "rollout/simulator_errors",
+    "rollout/trained_dialogues",
+    "val/simulator_errors",
+    "test/simulator_errors",
+)
 SUMMED_PREFIXES = ("simulator/", "advantage/degenerate_groups")
 
 

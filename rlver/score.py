@@ -10,6 +10,8 @@ Score = mean final emotion; Success = dialogues ending at >= 100; Failure = belo
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,13 +92,16 @@ def _final_field(record: dict[str, Any], where: str, name: str) -> float:
 
 def _number(value: Any, where: str, name: str) -> float:
     # SAGE writes emotions as ints; some SAGE dumps write them as numeric strings.
+    number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            pass
+        number = float(value)
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = float(value)
+    if number is not None:
+        if not math.isfinite(number):  # NaN would silently poison every mean it enters
+            raise ScoreError(f"{where}: field '{name}': expected a finite number, got {value!r}")
+        return number
     if value is None:
         raise ScoreError(f"{where}: field '{name}': missing")
     raise ScoreError(f"{where}: field '{name}': expected a number, got {value!r}")
@@ -146,10 +151,15 @@ def load_scored_file(path: str | Path, *, name: str | None = None) -> ScoredFile
     path = Path(path)
     if not path.is_file():
         raise ScoreError(f"{path}: transcript file not found")
-    dialogues = [
-        ScoredDialogue(dialogue_emotions(record, where=f"{path}:{line}"), record)
-        for line, record in read_numbered_transcripts(path)
-    ]
+    try:
+        dialogues = [
+            ScoredDialogue(dialogue_emotions(record, where=f"{path}:{line}"), record)
+            for line, record in read_numbered_transcripts(path)
+        ]
+    except ScoreError:
+        raise
+    except ValueError as error:  # a line that is not JSON, or not UTF-8 (the message names it)
+        raise ScoreError(str(error)) from None
     if not dialogues:
         raise ScoreError(f"{path}: no dialogues in file")
     return ScoredFile(name or path.stem, path, dialogues)

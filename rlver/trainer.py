@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from rlver.console import is_verbose, note
 from rlver.precision import resolve_precision
 from rlver.progress import StepProgress
+from rlver.resume import ExactlyOnce
 from rlver.stopping import GracefulStop
 
 
@@ -22,7 +23,9 @@ class Trainer(L.Trainer):
     events and transcripts go to `<default_root_dir>/tensorboard` (no version subfolders, so a
     resumed run keeps writing where it was), and a ModelCheckpoint without a `dirpath` writes to
     `<default_root_dir>/checkpoints`. `--trainer.default_root_dir DIR` moves all of it.
-    The first SIGTERM or Ctrl-C stops the run within a step with `last.ckpt` (rlver.stopping).
+    The first SIGTERM or Ctrl-C stops the run within a step with `last.ckpt` (rlver.stopping);
+    after a crash, `--ckpt_path last` replays the lost steps and the run's transcripts and
+    TensorBoard events hold every step once (rlver.resume).
     Unless a progress bar is configured, rlver's StepProgress shows steps and the reward, and the
     model summary table is left out (both: rlver.console's quiet defaults; --verbose shows it).
 
@@ -52,3 +55,5 @@ class Trainer(L.Trainer):
                 callback.dirpath = os.path.join(root, "checkpoints")
         if not any(isinstance(callback, GracefulStop) for callback in self.callbacks):
             self.callbacks.insert(0, GracefulStop())  # the first SIGTERM / Ctrl-C: checkpoint, stop
+        if not any(isinstance(callback, ExactlyOnce) for callback in self.callbacks):
+            self.callbacks.insert(0, ExactlyOnce())  # first: a resumed run's files drop what it replays

@@ -48,8 +48,13 @@ def read_transcripts(path: str | Path) -> Iterator[dict[str, Any]]:
 
 def read_numbered_transcripts(path: str | Path) -> Iterator[tuple[int, Any]]:
     """(line number, decoded JSON) for every non-blank line; bad JSON raises naming file:line."""
-    with Path(path).open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with Path(path).open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                where = f"{path}:{line_number}"
+                raise ValueError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line)") from None
             if line.strip():
                 try:
                     yield line_number, json.loads(line)

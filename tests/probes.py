@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -35,3 +38,88 @@ class WeightDigest(L.Callback):
         }
         path = self.out_dir / f"digest_rank{trainer.global_rank}.json"
         path.write_text(json.dumps(record, sort_keys=True))
+
+
+class Chaos(L.Callback):
+    """Kills its own process with SIGKILL at one point of one training step.
+
+    The point comes from the environment, `RLVER_CHAOS=<point>:<step>` (unset: nothing happens),
+    so one recipe serves every launch of a chaos test. Points:
+
+    - generation: after the step's second engine call, mid-rollout;
+    - update: after the step's first optimizer step, before the weight sync;
+    - checkpoint: halfway through writing the checkpoint taken when `global_step` reaches `step`;
+    - transcripts: after the step's first transcript line and half of the second.
+    """
+
+    POINTS = ("generation", "update", "checkpoint", "transcripts")
+
+    def __init__(self) -> None:
+        point, _, step = os.environ.get("RLVER_CHAOS", "").partition(":")
+        if point and point not in self.POINTS:
+            raise ValueError(f"RLVER_CHAOS point {point!r} is not one of {self.POINTS}")
+        self.point, self.step = point, int(step or -1)
+
+    @staticmethod
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.point:
+            return
+
+        def now() -> bool:
+            return trainer.global_step == self.step
+
+        if self.point == "generation":
+            engine = pl_module.runner.engine
+            generate, calls = engine.generate, []
+
+            def generate_then_die(*args, **kwargs):
+                generated = generate(*args, **kwargs)
+                if now():
+                    calls.append(1)
+                    if len(calls) == 2:
+                        self.die()
+                return generated
+
+            engine.generate = generate_then_die
+        elif self.point == "update":
+            optimizer_step = pl_module._step
+
+            def step_then_die(*args, **kwargs):
+                optimizer_step(*args, **kwargs)
+                if now():
+                    self.die()
+
+            pl_module._step = step_then_die
+        elif self.point == "checkpoint":
+            import torch
+
+            save = torch.save
+
+            def save_half_then_die(obj, handle, *args, **kwargs):
+                if not now() or isinstance(handle, str | os.PathLike):
+                    return save(obj, handle, *args, **kwargs)
+                buffer = io.BytesIO()
+                save(obj, buffer, *args, **kwargs)
+                data = buffer.getvalue()
+                handle.write(data[: len(data) // 2])
+                handle.flush()
+                self.die()
+
+            torch.save = save_half_then_die
+        else:
+            append = pl_module._append_transcripts
+
+            def append_torn_then_die(split, trajectories, step):
+                if split != "train" or step != self.step:
+                    return append(split, trajectories, step)
+                append(split, trajectories[:1], step)
+                path = Path(trainer.log_dir) / "rollouts" / f"train_rank{trainer.global_rank}.jsonl"
+                line = json.dumps({"step": step, **trajectories[1].to_record()})
+                with path.open("a") as handle:
+                    handle.write(line[: len(line) // 2])
+                self.die()
+
+            pl_module._append_transcripts = append_torn_then_die

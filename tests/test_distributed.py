@@ -238,7 +238,7 @@ class _TinyPolicyModule:
         from rlver.distributed import (
             gathered_for_generation,
             shard_for_strategy,
-            use_sharded_checkpoint_reader,
+            use_rlver_checkpoint_io,
         )
 
         class TinyPolicy(L.LightningModule):
@@ -256,7 +256,7 @@ class _TinyPolicyModule:
                     self.policy_model = shard_for_strategy(_tiny_llama(0), self.trainer.strategy)
 
             def setup(self, stage: str) -> None:
-                use_sharded_checkpoint_reader(self.trainer.strategy)
+                use_rlver_checkpoint_io(self.trainer.strategy)
                 self.configure_model()  # as RLVERModule does: before Lightning's own call
 
             def configure_optimizers(self) -> Any:

@@ -33,6 +33,8 @@ import httpx
 from aiolimiter import AsyncLimiter
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from rlver.interfaces import SimulatorUnavailable
+
 T = TypeVar("T")
 
 
@@ -40,8 +42,12 @@ class EndpointError(RuntimeError):
     """A request failed after every retry (or cannot be answered from a replay-only cache)."""
 
 
-class EndpointConfigError(RuntimeError):
+class EndpointConfigError(SimulatorUnavailable):
     """The endpoint rejects the configuration itself (key, URL, model); retrying cannot help."""
+
+
+class EndpointDown(SimulatorUnavailable):
+    """Request after request failed after all its retries: the endpoint is down, not flaky."""
 
 
 class _Transient(Exception):
@@ -69,6 +75,7 @@ class EndpointSettings:
     backoff_max_seconds: float = 30.0
     max_concurrency: int = 32
     requests_per_second: float | None = None
+    max_failures_in_a_row: int = 8
 
 
 def read_api_key(api_key_env: str | None, problems: list[str]) -> str | None:
@@ -156,6 +163,8 @@ class ChatClient:
         self.cache_only = cache_only
         self.counters: Counter[str] = Counter()
         self._loop = loop
+        self._failures_in_a_row = 0  # requests that failed every retry, since the last answer
+        self._down: EndpointDown | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Some servers echo the key they rejected; nothing they say reaches a message unredacted.
         self._redact = (lambda text: text.replace(api_key, "***")) if api_key else (lambda text: text)
@@ -210,6 +219,8 @@ class ChatClient:
             if self.cache_only:
                 self.counters["cache_misses"] += 1
                 raise EndpointError("no cached answer for this request (cache_only is set)")
+        if self._down is not None:
+            raise self._down  # the endpoint was judged down: fail fast, the run is stopping
         answer = await self._post_with_retries(payload, stats if stats is not None else Counter())
         if self.cache is not None:
             self.cache.put(key, answer)
@@ -241,7 +252,9 @@ class ChatClient:
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await self._post(payload)
+                    answer = await self._post(payload)
+                    self._failures_in_a_row = 0
+                    return answer
         except (_Transient, httpx.TimeoutException, httpx.TransportError) as error:
             self.counters["failed_requests"] += 1
             kind = (
@@ -249,6 +262,16 @@ class ChatClient:
                 if isinstance(error, httpx.TimeoutException)
                 else str(error) or type(error).__name__
             )
+            self._failures_in_a_row += 1
+            limit = settings.max_failures_in_a_row
+            if limit and self._failures_in_a_row >= limit and self._down is None:
+                self._down = EndpointDown(
+                    f"{settings.base_url}: {self._failures_in_a_row} requests in a row failed after "
+                    f"{settings.max_retries + 1} attempts each (last: {kind}); the simulator endpoint "
+                    f"looks down (max_failures_in_a_row: {limit})"
+                )
+            if self._down is not None:
+                raise self._down from None
             raise EndpointError(
                 f"{settings.base_url}: request failed after {settings.max_retries + 1} attempts ({kind})"
             ) from None

@@ -46,13 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from rlver.emotion import DIFFICULTIES, termination
-from rlver.interfaces import UserSession, UserSimulator
+from rlver.interfaces import SimulatorUnavailable, UserSession, UserSimulator
 from rlver.seeding import stable_hash
 from rlver.types import Profile, UserTurn
 
 from .client import (
     ChatClient,
-    EndpointConfigError,
     EndpointError,
     LoopThread,
     open_client,
@@ -412,6 +411,7 @@ class _CodeDrivenSimulator(UserSimulator):
         max_retries: int = 4,
         backoff_seconds: float = 1.0,
         backoff_max_seconds: float = 30.0,
+        max_failures_in_a_row: int = 8,
         max_attempts: int = 3,
         max_concurrency: int = 32,
         requests_per_second: float | None = None,
@@ -466,6 +466,7 @@ class _CodeDrivenSimulator(UserSimulator):
             max_retries=max_retries,
             backoff_seconds=backoff_seconds,
             backoff_max_seconds=backoff_max_seconds,
+            max_failures_in_a_row=max_failures_in_a_row,
             max_concurrency=max_concurrency,
             requests_per_second=requests_per_second,
         )
@@ -503,7 +504,7 @@ class _CodeDrivenSimulator(UserSimulator):
         messages = [{"role": "user", "content": str(prompt)}]
         try:
             return self._loop.run(self.client.complete(messages, seed=seed, stats=stats, extra_body=extra))
-        except EndpointConfigError as error:
+        except SimulatorUnavailable as error:  # a rejected key / URL / model, or the endpoint is down
             raise _GaveUp(str(error), fatal=error) from None
         except EndpointError as error:
             raise _GaveUp(str(error)) from None
@@ -662,6 +663,9 @@ class SageOfficialSimulator(_CodeDrivenSimulator):
         max_retries: Transport retries of one request (timeouts, connection errors, 429, 5xx).
         backoff_seconds: Base of the exponential backoff between transport retries.
         backoff_max_seconds: Longest wait between two transport retries.
+        max_failures_in_a_row: Requests failing all their retries one after another that mean
+            the endpoint is down: the run stops (last.ckpt at the last finished step) with one
+            error instead of failing every dialogue (0: never).
         max_attempts: Calls one step of their code may make (their loops would retry forever);
             then the dialogue ends with termination "simulator_error".
         max_concurrency: Dialogues (and requests) in flight at once.
@@ -698,6 +702,9 @@ class ReferenceUserSimulator(_CodeDrivenSimulator):
         max_retries: Transport retries of one request.
         backoff_seconds: Base of the exponential backoff between transport retries.
         backoff_max_seconds: Longest wait between two transport retries.
+        max_failures_in_a_row: Requests failing all their retries one after another that mean
+            the endpoint is down: the run stops (last.ckpt at the last finished step) with one
+            error instead of failing every dialogue (0: never).
         max_attempts: Calls one step of their code may make; then "simulator_error".
         max_concurrency: Dialogues (and requests) in flight at once.
         requests_per_second: Optional rate limit across all dialogues.

@@ -12,12 +12,16 @@ answers) and add a fixed latency to every answer.
 Faults are keyed by a marker (any text that appears in one dialogue's system
 prompt, e.g. the persona's name), the call kind ("open", "plan", "reply") and
 the 1-based count of that kind of call for that marker, re-asks included.
+Or at random: `fault_rate` of all requests get one of RANDOM_FAULTS, drawn from
+the request's content and how often it was sent (so a retry draws afresh, and
+the same run draws the same faults whatever order requests arrive in).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import threading
 import time
@@ -29,8 +33,11 @@ from typing import Any
 
 from .parsing import split_fields
 
-# Fault actions: an HTTP status, a delay past the timeout, or a malformed answer.
-FAULTS = ("429", "500", "503", "timeout", "no_change", "words", "fullwidth", "no_response")
+# Fault actions: an HTTP status, a delay past the timeout, a malformed answer, a body that is
+# not a chat completion ("garbage"), or a slow but valid answer ("slow").
+FAULTS = ("429", "500", "503", "timeout", "no_change", "words", "fullwidth", "no_response", "garbage", "slow")
+# What `fault_rate` draws from: every kind of failure a real endpoint shows.
+RANDOM_FAULTS = ("429", "500", "503", "timeout", "no_change", "words", "garbage", "slow")
 
 _EMPATHY = re.compile(
     r"understand|sorry|hear you|feel|sounds|must be|that's hard|理解|感受|难过|辛苦|心疼|不容易",
@@ -105,6 +112,9 @@ class Script:
     responder: Callable[[dict[str, Any]], str | None] | None = None
     latency: float = 0.0
     timeout_delay: float = 3.0
+    fault_rate: float = 0.0
+    fault_seed: int = 0
+    slow_delay: float = 0.3
     api_key: str | None = None
     calls: Counter[tuple[str, str]] = field(default_factory=Counter)
     served: Counter[str] = field(default_factory=Counter)  # faults actually injected, and "ok"
@@ -113,6 +123,7 @@ class Script:
     in_flight: int = 0
     max_in_flight: int = 0  # the most requests the server was handling at once
     lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: Counter[str] = field(default_factory=Counter)  # how often each request body arrived
 
     def enter(self, headers: dict[str, str]) -> None:
         with self.lock:
@@ -135,6 +146,12 @@ class Script:
             for marker in markers:
                 self.calls[(marker, kind)] += 1
                 fault = fault or self.faults.get((marker, kind, self.calls[(marker, kind)]))
+            if fault is None and self.fault_rate > 0:
+                body = json.dumps(payload, sort_keys=True)
+                self.sent[body] += 1
+                draw = random.Random(f"{self.fault_seed}:{self.sent[body]}:{body}")
+                if draw.random() < self.fault_rate:
+                    fault = draw.choice(RANDOM_FAULTS)
             self.served[fault or "ok"] += 1
         return kind, fault
 
@@ -189,6 +206,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if fault == "timeout":
             time.sleep(script.timeout_delay)
+        if fault == "slow":
+            time.sleep(script.slow_delay)
+            fault = None  # then a valid answer
+        if fault == "garbage":  # HTTP 200 with a body that is not a chat completion
+            data = b"<html>502 Bad Gateway</html>"
+            try:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return
         messages = payload.get("messages") or []
         if script.responder is not None and fault is None:
             answer = script.responder(payload)

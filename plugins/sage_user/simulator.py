@@ -78,6 +78,7 @@ class SageUserSimulator(UserSimulator):
         max_retries: int = 4,
         backoff_seconds: float = 1.0,
         backoff_max_seconds: float = 30.0,
+        max_failures_in_a_row: int = 8,
         max_reasks: int = 2,
         max_concurrency: int = 32,
         requests_per_second: float | None = None,
@@ -107,6 +108,9 @@ class SageUserSimulator(UserSimulator):
             max_retries: Retries of a request after a timeout, connection error, 429 or 5xx.
             backoff_seconds: Base of the exponential backoff (with full jitter) between retries.
             backoff_max_seconds: Longest wait between two retries.
+            max_failures_in_a_row: Requests failing all their retries one after another that
+                mean the endpoint is down: the run stops (last.ckpt at the last finished step)
+                with one error instead of failing every dialogue (0: never).
             max_reasks: How often an answer that does not parse is asked for again.
             max_concurrency: Requests in flight at most.
             requests_per_second: Optional rate limit across all dialogues.
@@ -137,8 +141,8 @@ class SageUserSimulator(UserSimulator):
             problems.append(f"language ({language!r}) must be one of {', '.join(LANGUAGES)}")
         if timeout <= 0:
             problems.append(f"timeout ({timeout}) must be > 0")
-        if max_retries < 0 or max_reasks < 0:
-            problems.append("max_retries and max_reasks must be >= 0")
+        if max_retries < 0 or max_reasks < 0 or max_failures_in_a_row < 0:
+            problems.append("max_retries, max_reasks and max_failures_in_a_row must be >= 0")
         if max_concurrency < 1:
             problems.append(f"max_concurrency ({max_concurrency}) must be >= 1")
         if requests_per_second is not None and requests_per_second <= 0:
@@ -181,6 +185,7 @@ class SageUserSimulator(UserSimulator):
             max_retries=max_retries,
             backoff_seconds=backoff_seconds,
             backoff_max_seconds=backoff_max_seconds,
+            max_failures_in_a_row=max_failures_in_a_row,
             max_concurrency=max_concurrency,
             requests_per_second=requests_per_second,
         )

@@ -130,11 +130,15 @@ def load_profiles(source: str | Path) -> list[Profile]:
     path = resolve_profile_path(source)
     profiles: list[Profile] = []
     first_line_of: dict[str, int] = {}
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ProfileError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:

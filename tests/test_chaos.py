@@ -1,0 +1,177 @@
+"""Crash safety: `rlver fit` killed with SIGKILL again and again resumes to the uninterrupted run.
+
+The quickstart's miniature twin (the recipe's own checkpoint interval) talks with the `sage`
+user of the scripted server through a response cache, so every kind of file a run writes is
+in play: checkpoints, transcripts, TensorBoard events and the SQLite cache. It is killed at
+named points (mid-rollout, mid-update, halfway through a checkpoint, halfway through a
+transcript line: tests.probes.Chaos) and at random moments, resumed each time with
+`--ckpt_path last`, and must end exactly where a run that was never killed ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlver.distributed import read_checkpoint_state
+from tests.conftest import REPO
+from tests.test_multiprocess import API_KEY, digests, lay_out_data, read_scalars, twin_config
+
+pytestmark = pytest.mark.slow
+
+STEPS = 9
+RECIPE = "quickstart"
+
+
+def chaos_config(workdir: Path, model_dir: Path, server_url: str) -> Path:
+    config = twin_config(RECIPE, workdir, model_dir, server_url, steps=STEPS, devices=1)
+    twin = yaml.safe_load(config.read_text())
+    twin["model"]["simulator"] = {
+        "name": "sage",
+        "base_url": server_url,
+        "model": "scripted-user",
+        "timeout": 5,
+        "language": "en",
+        "cache_path": "cache.sqlite",  # the working folder's: the same text in both runs' transcripts
+    }
+    twin["trainer"]["callbacks"].append({"class_path": "tests.probes.Chaos"})
+    config.write_text(yaml.safe_dump(twin, sort_keys=False))
+    return config
+
+
+def launch(workdir: Path, config: Path, *extra: str, chaos: str = "") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY, "RLVER_CHAOS": chaos}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def transcript_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def finished_steps(path: Path) -> int:
+    steps = set()
+    for line in transcript_lines(path):
+        with contextlib.suppress(ValueError):
+            steps.add(json.loads(line)["step"])
+    return len(steps)
+
+
+def cache_rows(path: Path) -> list[tuple[str, str]]:
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        return sorted(db.execute("SELECT key, answer FROM answers"))
+
+
+def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_dir):
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    straight, chaos = tmp_path / "straight", tmp_path / "chaos"
+    with ScriptedServer(Script()) as server:
+        for workdir in (straight, chaos):
+            workdir.mkdir()
+            lay_out_data(workdir)
+        config = chaos_config(straight, tiny_model_dir, server.url)
+        every = yaml.safe_load(config.read_text())["trainer"]["callbacks"][0]["init_args"][
+            "every_n_train_steps"
+        ]
+        assert every <= 4, "the quickstart checkpoints often enough to lose little"
+        process = launch(straight, config)
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, output[-3000:]
+
+        config = chaos_config(chaos, tiny_model_dir, server.url)
+        run = chaos / "runs" / RECIPE
+        transcripts = run / "tensorboard" / "rollouts" / "train_rank0.jsonl"
+        checkpoint = run / "checkpoints" / "last.ckpt"
+        kills = [
+            "generation:1",  # before any checkpoint: the resume starts afresh
+            "transcripts:2",
+            f"checkpoint:{every + 1 if every < 3 else every}",
+            "update:4",
+            "random",
+            "generation:6",
+            "random",
+        ]
+        rng = random.Random(0)
+        survived = []
+        for kill in kills:
+            resume = ("--ckpt_path", "last") if survived else ()
+            if kill == "random":
+                process = launch(chaos, config, *resume)
+                start = finished_steps(transcripts)
+                deadline = time.monotonic() + 300
+                while finished_steps(transcripts) <= start and process.poll() is None:
+                    assert time.monotonic() < deadline, "no step finished"
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.0, 1.5))  # somewhere in the next step
+                if process.poll() is not None:
+                    break  # it finished first: nothing left to kill
+                process.send_signal(signal.SIGKILL)
+            else:
+                process = launch(chaos, config, *resume, chaos=kill)
+            output, _ = process.communicate(timeout=600)
+            assert process.returncode == -signal.SIGKILL, (kill, output[-3000:])
+            survived.append(kill)
+            if checkpoint.exists():  # the previous checkpoint, never a torn one
+                read_checkpoint_state(checkpoint)
+        process = launch(chaos, config, "--ckpt_path", "last")
+        output, _ = process.communicate(timeout=600)
+        assert process.returncode == 0, output[-3000:]
+        assert len(survived) >= 5, survived
+        print("kills survived:", survived)
+
+    # The final weights are the uninterrupted run's.
+    (a,), (b,) = digests(straight, ranks=1), digests(chaos, ranks=1)
+    assert a["step"] == b["step"] == STEPS
+    assert a["tensors"] == b["tensors"], [k for k in a["tensors"] if a["tensors"][k] != b["tensors"][k]][:5]
+    assert read_checkpoint_state(checkpoint)["global_step"] == STEPS
+    assert torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"] == STEPS
+
+    # Every step's transcripts exactly once, identical to the uninterrupted run's; all parseable.
+    name = f"runs/{RECIPE}/tensorboard/rollouts/train_rank0.jsonl"
+    expected = [json.loads(line) for line in transcript_lines(straight / name)]
+    got = [json.loads(line) for line in transcript_lines(chaos / name)]
+    assert sorted({r["step"] for r in got}) == list(range(STEPS))
+    assert got == expected
+
+    # TensorBoard shows each step once, with the uninterrupted run's values.
+    clean = read_scalars(straight / "runs" / RECIPE / "tensorboard")
+    resumed = read_scalars(chaos / "runs" / RECIPE / "tensorboard")
+    for tag in ("rollout/final_emotion", "reward/total", "ppo/grad_norm", "perf/step_seconds"):
+        assert len(resumed[tag]) == STEPS, (tag, resumed[tag])
+        if not tag.startswith("perf/"):
+            assert resumed[tag] == pytest.approx(clean[tag], abs=1e-6), tag
+    steps = _scalar_steps(chaos / "runs" / RECIPE / "tensorboard", "reward/total")
+    assert steps == list(range(STEPS))
+
+    # The sage cache holds the same answers, once each, and is a sound SQLite file.
+    assert cache_rows(chaos / "cache.sqlite") == cache_rows(straight / "cache.sqlite")
+    # No temporary checkpoint file of a killed writer is left behind.
+    assert not list((run / "checkpoints").glob(".*.tmp"))
+
+
+def _scalar_steps(folder: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return [event.step for event in accumulator.Scalars(tag)]
