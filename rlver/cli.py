@@ -22,6 +22,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E4
 
 from rlver import __version__  # noqa: E402
 from rlver.data.datamodule import ProfileDataModule  # noqa: E402
+from rlver.distributed import CheckpointWriteError  # noqa: E402
 from rlver.interfaces import SimulatorUnavailable  # noqa: E402
 from rlver.models import ModelError  # noqa: E402
 from rlver.module import RLVERModule  # noqa: E402
@@ -368,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PluginError, ModelError, ValueError) as error:
         print(f"rlver {command}: error: {error}", file=sys.stderr)
         return 2
-    except SimulatorUnavailable as error:
+    except (SimulatorUnavailable, CheckpointWriteError) as error:
         print(f"rlver {command}: error: {error}", file=sys.stderr)
         return 1
     print(f"rlver: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

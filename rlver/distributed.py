@@ -540,6 +540,10 @@ def _torch_checkpoint_io() -> type:
     return TorchCheckpointIO
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous one is intact."""
+
+
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
     """`torch.save` that leaves either the old file or the whole new one, never a torn one.
 
@@ -555,12 +559,24 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
         stale.unlink(missing_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = None
     try:
         with temporary.open("wb") as handle:
-            torch.save(obj, handle)
+            writer = _WriteErrors(handle)
+            torch.save(obj, writer)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:  # a full disk, a quota, a file size limit
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, RuntimeError):
+            if writer is None or writer.error is None:
+                raise  # not the disk: a real serialization problem
+            error = writer.error  # torch's zip writer reports it as a RuntimeError
+        kept = "the previous checkpoint there is unchanged" if path.exists() else "nothing was there before"
+        raise CheckpointWriteError(
+            f"{path}: checkpoint not written ({error.strerror or error}); {kept}"
+        ) from None
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
@@ -569,6 +585,25 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+class _WriteErrors:
+    """A binary file for torch.save that remembers the OSError a write raised (torch's zip
+    writer turns it into an uninformative RuntimeError)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 class AtomicCheckpointIO(_torch_checkpoint_io()):  # type: ignore[misc]

@@ -175,3 +175,67 @@ def _scalar_steps(folder: Path, tag: str) -> list[int]:
     accumulator = EventAccumulator(str(folder))
     accumulator.Reload()
     return [event.step for event in accumulator.Scalars(tag)]
+
+
+def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(tmp_path, tiny_model_dir):
+    """The file size limit (RLIMIT_FSIZE) makes the next checkpoint write fail as a full disk does."""
+    import resource
+
+    config = twin_config(RECIPE, tmp_path, tiny_model_dir, "", steps=4, devices=1)
+    twin = yaml.safe_load(config.read_text())
+    twin["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
+    config.write_text(yaml.safe_dump(twin, sort_keys=False))
+    run = tmp_path / "runs" / RECIPE
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    process = launch(tmp_path, config, "--trainer.max_steps", "2")
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    before = checkpoint.read_bytes()
+    limit = len(before) // 2  # the checkpoint cannot be written; transcripts and events still can
+
+    def full_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_CHAOS": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), "--ckpt_path", "last"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=full_disk,
+    )
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("rlver fit: error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "runs/quickstart/checkpoints/last.ckpt: checkpoint not written (File too large)" in errors[0], errors
+    assert "previous checkpoint there is unchanged" in errors[0], errors
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert checkpoint.read_bytes() == before  # untouched, and it resumes
+    assert not list(checkpoint.parent.glob(".*.tmp"))
+    process = launch(tmp_path, config, "--ckpt_path", "last")
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    assert read_checkpoint_state(checkpoint)["global_step"] == 4
+
+
+def test_the_paper_recipes_keep_the_newest_checkpoints(tmp_path, tiny_model_dir):
+    """Retention as the paper recipes set it (save_top_k newest by step), every step here."""
+    config = twin_config("grpo_think", tmp_path, tiny_model_dir, "", steps=5, devices=1)
+    twin = yaml.safe_load(config.read_text())
+    (checkpointing,) = [
+        c for c in twin["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint")
+    ]
+    assert checkpointing["init_args"]["save_top_k"] == 3 and checkpointing["init_args"]["monitor"] == "step"
+    checkpointing["init_args"]["every_n_train_steps"] = 1
+    twin["trainer"].update(num_sanity_val_steps=0, limit_val_batches=0, strategy="auto")
+    twin["model"]["simulator"] = {"name": "embedded", "language": "zh"}
+    config.write_text(yaml.safe_dump(twin, sort_keys=False, allow_unicode=True))
+    lay_out_data(tmp_path)
+    process = launch(tmp_path, config)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    kept = sorted(p.name for p in (tmp_path / "runs" / "grpo_think" / "checkpoints").iterdir())
+    assert kept == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"], kept
