@@ -55,6 +55,17 @@ class UserSession(ABC):
         """
         raise NotImplementedError
 
+    def follow(self, text: str) -> None:
+        """Replace the user's latest message (the opening, or the answer to the last reply)
+        with `text`, keeping the session's own emotion.
+
+        For replaying a recorded dialogue turn by turn (teacher forcing, as
+        benchmarks/simulator_agreement.py does): the session goes on from what the user
+        actually said there. Before `opening()`, `text` becomes the opening. Sessions that
+        cannot raise NotImplementedError.
+        """
+        raise NotImplementedError
+
 
 class UserSimulator(ABC):
     """Creates user sessions and answers a whole batch of them per turn.

@@ -31,8 +31,10 @@ from rlver.console import phase
 from rlver.critic import ValueModel
 from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
 from rlver.distributed import (
+    clean_name,
     clip_grad_norm,
     gathered_for_generation,
+    is_sharded,
     shard_for_strategy,
     use_rlver_checkpoint_io,
 )
@@ -962,9 +964,13 @@ class RLVERModule(L.LightningModule):
         }
         if self.lora is not None:
             checkpoint.setdefault("hyper_parameters", {})["lora"] = dataclasses.asdict(self.lora)
+            if is_sharded(self.policy_model) and _writes_sharded_checkpoints(self.trainer.strategy):
+                # torch's distributed checkpoint loader asks for every key the sharded model
+                # has: a sharded checkpoint keeps the frozen base (the optimizer state does not).
+                return
             networks = {"policy_model": self.policy_model, "value_model": self.value_model}
             keep = {
-                f"{prefix}.{name}"
+                f"{prefix}.{clean_name(name)}"
                 for prefix, network in networks.items()
                 if network is not None
                 for name in trainable_names(network)
@@ -981,6 +987,13 @@ class RLVERModule(L.LightningModule):
             random.setstate(state["python"])
             name, keys, position, has_gauss, cached = state["numpy"]
             np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
+def _writes_sharded_checkpoints(strategy: Any) -> bool:
+    """Whether `strategy` saves torch.distributed.checkpoint folders (FSDP sharded, FSDP2)."""
+    if getattr(strategy, "_state_dict_type", None) == "sharded":
+        return True
+    return bool(getattr(strategy, "_save_distributed_checkpoint", False))
 
 
 def actor_loss(

@@ -102,7 +102,10 @@ class ExactlyOnce(L.Callback):
                 )
         if trainer.global_rank == 0:
             for logger in trainer.loggers:
-                purge_tensorboard_from(logger, step)
+                log_dir = getattr(logger, "log_dir", None)
+                earlier = len(list(Path(log_dir).glob("events.out.tfevents.*"))) > 1 if log_dir else True
+                if step > 0 or earlier:  # a fresh run in a fresh folder has nothing to discard
+                    purge_tensorboard_from(logger, step)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: Any) -> None:
         # Called while the checkpoint is assembled, before it is written: every scalar of the

@@ -210,7 +210,9 @@ def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(t
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("rlver fit: error:")]
     assert len(errors) == 1, result.stderr[-3000:]
-    assert "runs/quickstart/checkpoints/last.ckpt: checkpoint not written (File too large)" in errors[0], errors
+    assert "runs/quickstart/checkpoints/last.ckpt: checkpoint not written (File too large)" in errors[0], (
+        errors
+    )
     assert "previous checkpoint there is unchanged" in errors[0], errors
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert checkpoint.read_bytes() == before  # untouched, and it resumes

@@ -134,3 +134,49 @@ def test_the_hf_engine_samples_from_the_adapted_policy(tiny_model_dir):
     recorded = torch.tensor(generation.logprobs)
     assert (recorded - ours).abs().max() < 1e-4
     assert (recorded - base).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_on_two_processes_trains_syncs_vllm_and_checkpoints_the_adapter(
+    tmp_path, tiny_model_dir
+):
+    """The paper's GRPO recipe (FSDP1, sage user) with adapters: sharded frozen base, trained
+    adapters, merged weights gathered out of the shards into each rank's vLLM."""
+    import yaml
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    from rlver.distributed import read_checkpoint_state
+    from tests.test_multiprocess import digests, lay_out_data, read_scalars, run_fit, twin_config
+
+    lay_out_data(tmp_path)
+    with ScriptedServer(Script()) as server:
+        config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=2, vllm=True)
+        twin = yaml.safe_load(config.read_text())
+        twin["model"]["lora"] = {"rank": 4, "alpha": 8}
+        twin["model"]["actor_lr"] = 1e-3
+        config.write_text(yaml.safe_dump(twin, sort_keys=False, allow_unicode=True))
+        run_fit(tmp_path, "--config", config)
+    per_rank = digests(tmp_path)
+    assert [d["step"] for d in per_rank] == [2, 2]
+    assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
+    checkpoint = tmp_path / "runs" / "grpo_nothink" / "checkpoints" / "last.ckpt"
+    state = read_checkpoint_state(checkpoint)["state_dict"]
+    adapters = [k for k in state if k.startswith("policy_model.") and (".lora_A." in k or ".lora_B." in k)]
+    assert adapters and any(state[k].abs().max() > 0 for k in adapters if ".lora_B." in k)  # it trained
+    gaps = read_scalars(tmp_path / "runs" / "grpo_nothink" / "tensorboard")["rollout/logprob_gap"]
+    assert max(gaps) < 1e-3, gaps  # step 1 sampled the merged, updated adapter
+    # It resumes under FSDP (the sharded checkpoint keeps the frozen base for the loader).
+    with ScriptedServer(Script()) as server:
+        config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=3, vllm=True)
+        twin["trainer"]["max_steps"] = 3
+        twin["model"]["simulator"]["base_url"] = server.url
+        config.write_text(yaml.safe_dump(twin, sort_keys=False, allow_unicode=True))
+        run_fit(tmp_path, "--config", config, "--ckpt_path", "last")
+    assert read_checkpoint_state(checkpoint)["global_step"] == 3
+    from tests.conftest import run_cli
+
+    for extra in ((), ("--adapter",)):
+        out = tmp_path / f"export{len(extra)}"
+        result = run_cli("export", "--ckpt", checkpoint, "--out", out, *extra)
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "export1" / "adapter_config.json").read_text())["r"] == 4

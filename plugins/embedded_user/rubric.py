@@ -248,6 +248,7 @@ class Assessment:
     evidence: dict[str, list[str]]
     notes: dict[str, str] = field(default_factory=dict)
     signal: str | None = None
+    details: dict[str, object] = field(default_factory=dict)  # extra record keys (the semantic judge's)
 
     @property
     def raw_change(self) -> float:
@@ -265,6 +266,7 @@ class Assessment:
             "emotion": round(emotion, 2),
             "band": band_label,
             "analysis": self.analysis(applied, emotion, band_label),
+            **self.details,
         }
 
     def analysis(self, applied: float, emotion: float, band_label: str) -> str:

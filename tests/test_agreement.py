@@ -1,0 +1,140 @@
+"""The simulator agreement benchmark: recorded SAGE dialogues replayed through a plugin."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from rlver.agreement import agreement, load_recorded, pearson, ranks, replay, spearman, split_of
+from tests.conftest import REPO
+
+SAGE_FILE = REPO.parent / "shared" / "data" / "sage_transcripts_qwen2.5-72b.jsonl"
+
+
+def test_correlations_by_hand():
+    assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert math.isnan(pearson([1, 1, 1], [1, 2, 3])) and math.isnan(pearson([1], [2]))
+    assert ranks([10, 30, 20, 20]) == [1.0, 4.0, 2.5, 2.5]
+    assert spearman([1, 2, 3, 4], [1, 10, 100, 1000]) == pytest.approx(1.0)
+
+
+def test_the_held_out_split_is_fixed_and_about_thirty_percent():
+    ids = [f"dialogue-{i}" for i in range(2000)]
+    held = [i for i in ids if split_of(i) == "held_out"]
+    assert 0.27 < len(held) / len(ids) < 0.33
+    assert held == [i for i in ids if split_of(i) == "held_out"]
+
+
+def record(dialogue_id="d1", replies=("I hear you, that sounds really hard.", "ok"), changes=(5, -3)):
+    history = [{"role": "user", "content": "My boss yelled at me today.", "emotion-point": 40}]
+    emotion = 40
+    for index, reply in enumerate(replies):
+        emotion += changes[index]
+        history += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"recorded answer {index}", "emotion-point": emotion},
+        ]
+    return {
+        "id": dialogue_id,
+        "emo_point": emotion,
+        "player": "* Name: Ann\n* Occupation: clerk",
+        "scene": "an office",
+        "character": "passive",
+        "task": "be understood",
+        "history": history,
+    }
+
+
+def test_replay_through_the_embedded_user_follows_the_recording(tmp_path):
+    from rlver_plugins.embedded_user import EmbeddedUserSimulator
+
+    path = tmp_path / "model.jsonl"
+    path.write_text("\n".join(json.dumps(record(f"d{i}")) for i in range(3)) + "\n")
+    dialogues = load_recorded(path)
+    assert [d.emotions for d in dialogues] == [[40, 45, 42]] * 3
+    assert dialogues[0].replies == ["I hear you, that sounds really hard.", "ok"]
+    replays = replay(EmbeddedUserSimulator(language="en"), dialogues)
+    for result in replays:
+        assert [theirs for _, theirs in result.changes] == [5, -3]
+        assert result.final == pytest.approx(40 + sum(ours for ours, _ in result.changes))
+    summary = agreement(replays)
+    assert summary.turns == 6 and summary.dialogues == 3 and summary.mean_recorded_final == 42
+
+
+def test_follow_replaces_the_users_latest_message_in_the_sage_session():
+    from rlver_plugins.sage_user import SageUserSimulator
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    from rlver.data.profiles import parse_profile
+
+    profile = parse_profile(record(), where="test")
+    with ScriptedServer(Script()) as server:
+        simulator = SageUserSimulator(base_url=server.url, model="scripted", language="en")
+        try:
+            session = simulator.open(profile, seed=0)
+            session.follow("the recorded opening")
+            assert session.opening().text == "the recorded opening"
+            session.respond("I understand, that must be hard.")
+            session.follow("what the user really said")
+            assert session.history[-1] == ("user", "what the user really said")
+            assert [who for who, _ in session.history] == ["user", "partner", "user"]
+        finally:
+            simulator.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SAGE_FILE.is_file(), reason="needs ../shared/data (the recorded SAGE dialogues)")
+def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
+    out = tmp_path / "agreement.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/simulator_agreement.py",
+            str(SAGE_FILE),
+            "--split",
+            "held_out",
+            "--json",
+            out,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)
+    (figures,) = json.loads(out.read_text()).values()
+    assert figures["dialogues"] == 31 and figures["turns"] > 150
+    assert -1 <= figures["turn_pearson"] <= 1 and -1 <= figures["final_pearson"] <= 1
+    assert figures["mean_recorded_final"] == pytest.approx(14.8, abs=0.05)  # SAGE's own scores
+
+
+@pytest.mark.slow
+def test_the_benchmark_drives_the_sage_plugin_against_an_endpoint_and_ranks_files(tmp_path):
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    kind = tmp_path / "kind.jsonl"
+    curt = tmp_path / "curt.jsonl"
+    kind.write_text("\n".join(json.dumps(record(f"k{i}")) for i in range(2)) + "\n")
+    curt_records = [record(f"c{i}", replies=("no.", "whatever."), changes=(-4, -4)) for i in range(2)]
+    curt.write_text("\n".join(json.dumps(r) for r in curt_records) + "\n")
+    with ScriptedServer(Script()) as server:
+        spec = f"{{name: sage, base_url: '{server.url}', model: scripted, language: en}}"
+        result = subprocess.run(
+            [sys.executable, "benchmarks/simulator_agreement.py", kind, curt, "--simulator", spec],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert server.script.served["ok"] > 0
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "kind: 2 dialogues, 4 turns" in result.stdout and "curt: 2 dialogues" in result.stdout
+    # The scripted user gains with empathy cues and loses without, as the recording says.
+    assert "model ranking, Spearman with SAGE's: 1.000 (2 models)" in result.stdout, result.stdout
