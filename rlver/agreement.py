@@ -1,11 +1,13 @@
 """How far a simulator plugin agrees with SAGE: recorded dialogues replayed turn by turn.
 
 Each recorded SAGE dialogue (the format `rlver score` reads) is replayed through a simulator
-plugin with teacher forcing: the session opens with the recorded opening, is shown each
-recorded assistant reply, moves its own emotion, and is then told what the user really said
-next (`UserSession.follow`). Its change at each turn is compared with SAGE's recorded change
-(the difference of consecutive `emotion-point`s), and its own emotion after the whole recorded
-dialogue (or where it ended the dialogue itself) with SAGE's final `emo_point`.
+plugin with teacher forcing: the session opens with the recorded opening and emotion, is shown
+each recorded assistant reply, makes its change, and is then told what the user really said
+next and how they really felt (`UserSession.follow`). So each turn's change is judged in the
+state SAGE's user was in, and is compared with SAGE's recorded change (the difference of
+consecutive `emotion-point`s). The plugin's own final emotion is its changes added up from the
+recorded start (clamped to 0-100, stopping at 0 or 100 as a dialogue would), compared with
+SAGE's final `emo_point`.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class Replay:
 
     dialogue: RecordedDialogue
     changes: list[tuple[float, float]] = field(default_factory=list)
-    final: float = math.nan  # the plugin's own emotion at the end
-    ended_early: str | None = None  # the plugin's termination before the recording ended
+    final: float = math.nan  # the plugin's own emotion at the end: its changes added up
+    ended_early: str | None = None  # its own emotion reached 0 or 100 first, or a simulator error
 
 
 def replay(simulator: UserSimulator, dialogues: Sequence[RecordedDialogue], *, seed: int = 0) -> list[Replay]:
@@ -92,31 +94,30 @@ def replay(simulator: UserSimulator, dialogues: Sequence[RecordedDialogue], *, s
     for dialogue in dialogues:
         profile = parse_profile(dialogue.record, where=dialogue.where)
         session = simulator.open(profile, seed=seed)
-        session.follow(dialogue.user_texts[0])
+        session.follow(dialogue.user_texts[0], dialogue.emotions[0])
         sessions.append(session)
-    replays = [Replay(d, final=s.emotion) for d, s in zip(dialogues, sessions, strict=True)]
-    turn = 0
-    while True:
-        active = [
-            i for i, d in enumerate(dialogues) if turn < len(d.replies) and replays[i].ended_early is None
-        ]
-        if not active:
-            return replays
-        replies = [dialogues[i].replies[turn] for i in active]
-        answers = simulator.respond_batch([sessions[i] for i in active], replies)
+    replays = [Replay(d, final=d.emotions[0]) for d in dialogues]
+    failed: set[int] = set()  # a simulator error ends that dialogue's replay
+    for turn in range(max((len(d.replies) for d in dialogues), default=0)):
+        active = [i for i, d in enumerate(dialogues) if turn < len(d.replies) and i not in failed]
+        answers = simulator.respond_batch(
+            [sessions[i] for i in active], [dialogues[i].replies[turn] for i in active]
+        )
         for i, answer in zip(active, answers, strict=True):
-            recorded = dialogues[i].emotions[turn + 1] - dialogues[i].emotions[turn]
-            result = replays[i]
-            result.final = answer.emotion
+            dialogue, result = dialogues[i], replays[i]
             if answer.termination == "simulator_error":
                 result.ended_early = "simulator_error"
+                failed.add(i)
                 continue
-            result.changes.append((float(answer.change), recorded))
-            if answer.termination is not None and turn + 1 < len(dialogues[i].replies):
-                result.ended_early = answer.termination
-            elif answer.termination is None:
-                sessions[i].follow(dialogues[i].user_texts[turn + 1])
-        turn += 1
+            recorded = dialogue.emotions[turn + 1] - dialogue.emotions[turn]
+            change = float(answer.emotion) - dialogue.emotions[turn]  # from the recorded state
+            result.changes.append((change, recorded))
+            if result.ended_early is None:
+                result.final = min(100.0, max(0.0, result.final + change))
+                if result.final in (0.0, 100.0) and turn + 1 < len(dialogue.replies):
+                    result.ended_early = "reached 0" if result.final == 0.0 else "reached 100"
+            sessions[i].follow(dialogue.user_texts[turn + 1], dialogue.emotions[turn + 1])
+    return replays
 
 
 # --------------------------------------------------------------------------- statistics

@@ -55,14 +55,14 @@ class UserSession(ABC):
         """
         raise NotImplementedError
 
-    def follow(self, text: str) -> None:
+    def follow(self, text: str, emotion: float | None = None) -> None:
         """Replace the user's latest message (the opening, or the answer to the last reply)
-        with `text`, keeping the session's own emotion.
+        with `text`, and the emotion with `emotion` when one is given.
 
         For replaying a recorded dialogue turn by turn (teacher forcing, as
         benchmarks/simulator_agreement.py does): the session goes on from what the user
-        actually said there. Before `opening()`, `text` becomes the opening. Sessions that
-        cannot raise NotImplementedError.
+        actually said there (and, with `emotion`, from how they felt). Before `opening()`,
+        `text` becomes the opening. Sessions that cannot raise NotImplementedError.
         """
         raise NotImplementedError
 

@@ -14,14 +14,16 @@ Features (FEATURES), each a plain number:
     need       cosine of the reply with the persona's hidden need (the profile's task)
     empathy    highest cosine with the empathetic reference replies
     dismissal  highest cosine with the dismissive reference replies
+    repeat     highest cosine with the policy's earlier replies in this dialogue (0 at first)
     length     log(1 + characters of the reply)
     mood       the user's emotion before the reply, / 100 (a user in a good mood takes a
                reply better: SAGE's recorded users do, r = 0.58 with the next change)
 
 The map (calibration.json) is fitted by benchmarks/calibrate_embedded_user.py on the tune split
 of the shared recorded dialogues only (rlver.agreement.split_of); the held-out split measures it.
-The rubric's guards stay in charge: a garbled, repeated or stuffed reply, a scattershot one and
-a reply that parrots the user's own message get the rubric's (negative) verdict, never the map's.
+Guards against gaming stay in charge, never the map: a garbled or buzzword-stuffed reply gets
+the rubric's verdict; a reply that hands the user's own message back (cosine >= 0.85) or repeats
+an earlier reply (cosine >= 0.95) loses 2 points on top of any loss the rubric found.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FEATURES = ("rubric", "on_topic", "need", "empathy", "dismissal", "length", "mood")
+FEATURES = ("rubric", "on_topic", "need", "empathy", "dismissal", "repeat", "length", "mood")
 CALIBRATION = Path(__file__).with_name("calibration.json")
 # At or above this cosine with the user's own message a reply is their words handed back.
 PARROT_SIMILARITY = 0.85
+# At or above this cosine with an earlier reply a reply is that reply again.
+DUPLICATE_SIMILARITY = 0.95
 
 # Reference replies in our own words, Chinese and English (one embedding space).
 EMPATHETIC = (
@@ -103,7 +107,14 @@ def _references() -> tuple[list[Any], list[Any]]:
     return [model.embed(t) for t in EMPATHETIC], [model.embed(t) for t in DISMISSIVE]
 
 
-def features(reply: str, user_text: str, need: str, rubric_change: float, emotion: float) -> dict[str, float]:
+def features(
+    reply: str,
+    user_text: str,
+    need: str,
+    rubric_change: float,
+    emotion: float,
+    earlier_replies: Sequence[str] = (),
+) -> dict[str, float]:
     """The judge's inputs for one reply (see the module docstring)."""
     model = encoder()
     vector = model.embed(reply)
@@ -114,10 +125,20 @@ def features(reply: str, user_text: str, need: str, rubric_change: float, emotio
         "need": cosine(vector, model.embed(need)),
         "empathy": max(cosine(vector, e) for e in empathetic),
         "dismissal": max(cosine(vector, d) for d in dismissive),
+        "repeat": max((cosine(vector, model.embed(r)) for r in earlier_replies), default=0.0),
         "length": math.log1p(len(reply)),
         "mood": emotion / 100.0,
     }
     return {name: round(value, 4) for name, value in values.items()}
+
+
+def copied(values: dict[str, float]) -> str | None:
+    """ "parrots the user" or "repeats itself" when the reply is a copy (a guard), else None."""
+    if values["on_topic"] >= PARROT_SIMILARITY:
+        return "parrots the user"
+    if values["repeat"] >= DUPLICATE_SIMILARITY:
+        return "repeats itself"
+    return None
 
 
 @dataclass(frozen=True)
@@ -130,12 +151,19 @@ class Calibration:
     bias: float
     clip: float = 10.0
     about: dict[str, Any] | None = None
+    # Each feature is held within the range the fit saw (its 1st-99th percentile): a reply
+    # built to push one feature past any real reply (copying the reference replies to max out
+    # `empathy`) earns no more than the most extreme real one. The rubric's change is not held.
+    low: tuple[float, ...] | None = None
+    high: tuple[float, ...] | None = None
 
     def predict(self, values: dict[str, float]) -> float:
-        total = self.bias + sum(
-            w * (values[name] - m) / s
-            for name, m, s, w in zip(FEATURES, self.mean, self.scale, self.weights, strict=True)
-        )
+        total = self.bias
+        for index, name in enumerate(FEATURES):
+            value = values[name]
+            if self.low is not None and self.high is not None and name != "rubric":
+                value = min(max(value, self.low[index]), self.high[index])
+            total += self.weights[index] * (value - self.mean[index]) / self.scale[index]
         return round(max(-self.clip, min(self.clip, total)), 2)
 
     def to_json(self) -> str:
@@ -146,6 +174,8 @@ class Calibration:
             "weights": list(self.weights),
             "bias": self.bias,
             "clip": self.clip,
+            "low": list(self.low) if self.low is not None else None,
+            "high": list(self.high) if self.high is not None else None,
             "about": self.about or {},
         }
         return json.dumps(record, indent=2, ensure_ascii=False) + "\n"
@@ -163,24 +193,41 @@ def load_calibration(path: str = str(CALIBRATION)) -> Calibration:
         float(record["bias"]),
         float(record.get("clip", 10.0)),
         record.get("about"),
+        tuple(record["low"]) if record.get("low") else None,
+        tuple(record["high"]) if record.get("high") else None,
     )
 
 
-def fit(rows: Sequence[dict[str, float]], targets: Sequence[float], ridge: float = 5.0) -> Calibration:
-    """Ridge regression of `targets` on standardised features (numpy, closed form)."""
+def fit(
+    rows: Sequence[dict[str, float]], targets: Sequence[float], ridge: float = 5.0, rubric_weight: float = 1.0
+) -> Calibration:
+    """Ridge regression of `targets` on standardised features (numpy, closed form).
+
+    The rubric's change keeps the fixed weight `rubric_weight` (1: the map adds to the rubric's
+    verdict rather than replacing it), so replies the rubric tells apart stay apart: recorded
+    LLM replies are all competent, and a free fit learns little about bad ones.
+    """
     import numpy as np
 
-    x = np.array([[row[name] for name in FEATURES] for row in rows], dtype=np.float64)
-    y = np.array(targets, dtype=np.float64)
+    names = [name for name in FEATURES if name != "rubric"]
+    x = np.array([[row[name] for name in names] for row in rows], dtype=np.float64)
+    rubric = np.array([row["rubric"] for row in rows], dtype=np.float64)
+    y = np.array(targets, dtype=np.float64) - rubric_weight * rubric
     mean, scale = x.mean(axis=0), x.std(axis=0)
     scale[scale == 0] = 1.0
     z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
     penalty = ridge * np.eye(z.shape[1])
     penalty[-1, -1] = 0.0  # the bias is not shrunk
     solution = np.linalg.solve(z.T @ z + penalty, z.T @ y)
+    low, high = np.percentile(x, 1, axis=0), np.percentile(x, 99, axis=0)
+    fitted = dict(zip(names, zip(mean, scale, solution[:-1], low, high, strict=True), strict=True))
+    fitted["rubric"] = (0.0, 1.0, rubric_weight, -math.inf, math.inf)  # raw units: weight x change
+    column = {n: [round(float(v), 6) for v in fitted[n]] for n in FEATURES}
     return Calibration(
-        tuple(round(float(v), 6) for v in mean),
-        tuple(round(float(v), 6) for v in scale),
-        tuple(round(float(v), 6) for v in solution[:-1]),
+        tuple(column[n][0] for n in FEATURES),
+        tuple(column[n][1] for n in FEATURES),
+        tuple(column[n][2] for n in FEATURES),
         round(float(solution[-1]), 6),
+        low=tuple(column[n][3] if n != "rubric" else -100.0 for n in FEATURES),
+        high=tuple(column[n][4] if n != "rubric" else 100.0 for n in FEATURES),
     )

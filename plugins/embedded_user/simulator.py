@@ -28,7 +28,7 @@ SUPPORTED_LANGUAGES = ("en", "zh")
 WITHDRAW_BELOW = -3.0
 JUDGES = ("rubric", "semantic")
 # The rubric's verdicts the semantic judge never overrides: gaming, not meaning.
-GUARDED_SIGNALS = ("garbled", "repetition", "stuffing")
+GUARDED_SIGNALS = ("garbled", "stuffing")
 
 
 class EmbeddedUserSimulator(UserSimulator):
@@ -159,7 +159,10 @@ class EmbeddedUserSession(UserSession):
         if own.text != turn.text:
             raise ValueError(f"profile {self.profile.id}: group members opened differently")
 
-    def follow(self, text: str) -> None:
+    def follow(self, text: str, emotion: float | None = None) -> None:
+        if emotion is not None:  # the recorded emotion, and whether it ended the dialogue
+            self._emotion = float(emotion)
+            self._ended = termination(self._emotion, self.difficulty)
         if self._opening is None:
             reason = {"analysis": "recorded opening"}
             self._opening = UserTurn(text=text, emotion=self._emotion, reason=reason)
@@ -199,16 +202,18 @@ class EmbeddedUserSession(UserSession):
     def _judge_semantically(self, reply: str, assessment: Assessment) -> None:
         """Replace the rubric's change by the calibrated map's, unless a guard says no."""
         rubric_change = assessment.raw_change
-        if assessment.signal in GUARDED_SIGNALS or assessment.criteria.get("focus", 0.0) < 0:
-            assessment.details["semantic"] = {"guard": assessment.signal or "focus"}
+        if assessment.signal in GUARDED_SIGNALS:
+            assessment.details["semantic"] = {"guard": assessment.signal}
             return
         values = semantic.features(
-            reply, self._last_user_text, self.profile.task, rubric_change, self._emotion
+            reply, self._last_user_text, self.profile.task, rubric_change, self._emotion, self._replies
         )
-        if values["on_topic"] >= semantic.PARROT_SIMILARITY:  # the user's own words handed back
+        copy = semantic.copied(values)
+        if copy is not None:  # the user's own words handed back, or an earlier reply again
             change = min(rubric_change, 0.0) - 2.0
             assessment.signal = "repetition"
-            assessment.notes["semantic"] = f"parrots the user (similarity {values['on_topic']:.2f})"
+            similarity = max(values["on_topic"], values["repeat"])
+            assessment.notes["semantic"] = f"{copy} (similarity {similarity:.2f})"
         else:
             change = semantic.load_calibration().predict(values)
             assessment.notes["semantic"] = f"calibrated map over the rubric's {rubric_change:+.1f}"

@@ -340,7 +340,10 @@ class SageUserSession(UserSession):
         else:
             self.history.append(("user", turn.text))
 
-    def follow(self, text: str) -> None:
+    def follow(self, text: str, emotion: float | None = None) -> None:
+        if emotion is not None:  # the recorded user felt this and went on talking
+            self._emotion = float(emotion)
+            self._ended = None
         if self._opening is None:
             self.adopt_opening(UserTurn(text=text, emotion=self._emotion, reason={"source": "recorded"}))
             return

@@ -1,0 +1,100 @@
+"""The embedded user's semantic judge: calibrated, deterministic, and still hard to game."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from rlver_plugins.embedded_user import semantic
+
+from tests.test_embedded_user import (
+    BUZZWORDS,
+    MEETS,
+    THEMES,
+    VIOLATES,
+    make_profile,
+    open_session,
+    run_dialogue,
+)
+
+JUDGE = {"judge": "semantic"}
+
+
+def change(theme, reply, personality="passive"):
+    return open_session(make_profile(theme, personality), **JUDGE).respond(reply).change
+
+
+def test_the_shipped_calibration_was_fitted_on_the_tune_split_only():
+    calibration = semantic.load_calibration()
+    about = calibration.about or {}
+    assert about.get("split", "").startswith("tune") and about.get("turns", 0) > 300
+    assert len(calibration.weights) == len(semantic.FEATURES)
+    # A user in a better mood takes a reply better (SAGE's users do); empathy helps.
+    weights = dict(zip(semantic.FEATURES, calibration.weights, strict=True))
+    assert weights["mood"] > 0 and weights["empathy"] > 0
+
+
+def test_same_seed_same_dialogue():
+    replies = MEETS["deep_empathy"][:4]
+    a = run_dialogue(open_session(make_profile("deep_empathy"), **JUDGE), replies)
+    b = run_dialogue(open_session(make_profile("deep_empathy"), **JUDGE), replies)
+    assert [(t.text, t.emotion, t.reason) for t in a] == [(t.text, t.emotion, t.reason) for t in b]
+
+
+def test_the_record_shows_the_features_and_the_calibrated_change():
+    turn = open_session(make_profile("deep_empathy"), **JUDGE).respond(MEETS["deep_empathy"][0])
+    details = turn.reason["semantic"]
+    assert set(details["features"]) == set(semantic.FEATURES)
+    assert turn.reason["raw_change"] == details["change"]
+    assert "semantic" in turn.reason["criteria"]
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_a_reply_meeting_the_need_beats_one_violating_it(theme):
+    assert change(theme, MEETS[theme][0]) > change(theme, VIOLATES[theme])
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_repeating_a_reply_that_scored_well_loses_emotion(theme):
+    turns = run_dialogue(open_session(make_profile(theme), **JUDGE), [MEETS[theme][0]] * 6)
+    assert all(turn.change < 0 for turn in turns[1:]), [t.change for t in turns]
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_padding_with_emotional_keywords_loses_emotion(theme):
+    orders = itertools.islice(itertools.permutations(BUZZWORDS), 0, None, 97)
+    padded = ", ".join(next(orders)) + "."
+    assert change(theme, padded) < 0
+    assert change(theme, MEETS[theme][0] + " " + ", ".join(BUZZWORDS)) < change(theme, MEETS[theme][0])
+
+
+def test_handing_the_users_words_back_is_not_empathy():
+    session = open_session(make_profile("deep_empathy"), **JUDGE)
+    parroted = session.respond(session.opening().text)
+    assert parroted.change < 0 and parroted.reason["signal"] == "repetition"
+    genuine = change("deep_empathy", MEETS["deep_empathy"][0])
+    assert genuine > parroted.change
+
+
+def test_listing_every_need_does_not_beat_a_focused_reply():
+    everything = " ".join(MEETS[theme][0] for theme in THEMES)
+    for theme in ("deep_empathy", "practical_advice", "venting_listening"):
+        assert change(theme, everything) < change(theme, MEETS[theme][0]), theme
+
+
+def test_copying_the_reference_replies_earns_no_more_empathy_than_the_most_empathetic_real_reply():
+    calibration = semantic.load_calibration()
+    index = semantic.FEATURES.index("empathy")
+    copied = " ".join(t for t in semantic.EMPATHETIC if t.isascii())
+    values = semantic.features(copied, "My brother missed the party.", "be understood", 0.0, 40.0)
+    assert values["empathy"] > calibration.high[index]  # the raw cosine is past any real reply
+    held = dict(values, empathy=calibration.high[index])
+    assert calibration.predict(values) == calibration.predict(held)  # ... and counts as the most real
+
+
+def test_off_topic_and_generic_replies_lose_to_a_warm_on_topic_question():
+    warm = change(
+        "venting_listening", "Oh no, Tom missed Mum's birthday party? How are you feeling about it now?"
+    )
+    assert change("venting_listening", "Did you watch the football game yesterday?") < warm
+    assert change("venting_listening", "Okay.") < warm
