@@ -580,11 +580,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
+    _fsync_folder(path.parent)
 
 
 class _WriteErrors:
@@ -593,6 +589,7 @@ class _WriteErrors:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self.name = getattr(handle, "name", "")
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
@@ -631,6 +628,97 @@ class ShardedCheckpointReader(AtomicCheckpointIO):
         return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
+def writes_sharded_checkpoints(strategy: Any) -> bool:
+    """Whether `strategy` saves torch.distributed.checkpoint folders (FSDP sharded, FSDP2)."""
+    if getattr(strategy, "_state_dict_type", None) == "sharded":
+        return True
+    return bool(getattr(strategy, "_save_distributed_checkpoint", False))
+
+
+def swap_in(staging: Path, path: Path) -> None:
+    """Make the finished folder (or file) `staging` the checkpoint at `path`.
+
+    Two renames: the old checkpoint aside, the new one in, then the old one is deleted. A kill
+    between the renames leaves the old one at `.<name>.old`, which `recover_checkpoints` puts
+    back; at no moment is `path` a mix of two checkpoints.
+    """
+    old = path.with_name(f".{path.name}.old")
+    _remove(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(staging, path)
+    _fsync_folder(path.parent)
+    _remove(old)
+
+
+def recover_checkpoints(folder: str | Path) -> list[Path]:
+    """Undo a swap or a staged write that a kill interrupted, in a checkpoint folder.
+
+    Returns the checkpoints put back. Run it before a run looks for `last.ckpt`.
+    """
+    folder = Path(folder)
+    restored = []
+    if not folder.is_dir():
+        return restored
+    for old in folder.glob(".*.old"):
+        target = folder / old.name[1 : -len(".old")]
+        if target.exists():
+            _remove(old)
+        else:
+            os.replace(old, target)
+            restored.append(target)
+    for staging in folder.glob(".*.partial"):
+        _remove(staging)
+    return restored
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _fsync_folder(folder: Path) -> None:
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def atomic_folder_saves(strategy: Any) -> None:
+    """Sharded checkpoint folders written beside their target and swapped in whole.
+
+    Lightning writes a sharded checkpoint into the target folder itself, over the previous
+    one's files: a kill mid-write would leave shards of two steps side by side. Every rank
+    writes into `.<name>.partial` instead; once all are done, rank 0 swaps it in (`swap_in`).
+    """
+    if getattr(strategy, "_rlver_atomic_folders", False):
+        return
+    save = strategy.save_checkpoint
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not writes_sharded_checkpoints(strategy):
+            save(checkpoint, filepath, storage_options=storage_options)
+            return
+        path = Path(strategy.broadcast(str(filepath)))
+        staging = path.with_name(f".{path.name}.partial")
+        if strategy.is_global_zero:
+            _remove(staging)
+        strategy.barrier()
+        save(checkpoint, staging, storage_options=storage_options)
+        strategy.barrier()
+        if strategy.is_global_zero:
+            swap_in(staging, path)
+        strategy.barrier()
+
+    strategy.save_checkpoint = save_checkpoint
+    strategy._rlver_atomic_folders = True
+
+
 def use_rlver_checkpoint_io(strategy: Any) -> bool:
     """Atomic checkpoint files for `strategy`, and sharded-folder reading where it lacks it.
 
@@ -642,6 +730,8 @@ def use_rlver_checkpoint_io(strategy: Any) -> bool:
     """
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
+    if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
+        atomic_folder_saves(strategy)
     if type(strategy.checkpoint_io) is not _torch_checkpoint_io():
         return False
     if isinstance(strategy, FSDPStrategy | ModelParallelStrategy | DeepSpeedStrategy):

@@ -37,6 +37,7 @@ from rlver.distributed import (
     is_sharded,
     shard_for_strategy,
     use_rlver_checkpoint_io,
+    writes_sharded_checkpoints,
 )
 from rlver.interfaces import AdvantageBatch, RolloutEngine, SimulatorUnavailable
 from rlver.lora import LoraSettings, adapter_disabled, add_adapter, trainable_names
@@ -964,7 +965,7 @@ class RLVERModule(L.LightningModule):
         }
         if self.lora is not None:
             checkpoint.setdefault("hyper_parameters", {})["lora"] = dataclasses.asdict(self.lora)
-            if is_sharded(self.policy_model) and _writes_sharded_checkpoints(self.trainer.strategy):
+            if is_sharded(self.policy_model) and writes_sharded_checkpoints(self.trainer.strategy):
                 # torch's distributed checkpoint loader asks for every key the sharded model
                 # has: a sharded checkpoint keeps the frozen base (the optimizer state does not).
                 return
@@ -987,13 +988,6 @@ class RLVERModule(L.LightningModule):
             random.setstate(state["python"])
             name, keys, position, has_gauss, cached = state["numpy"]
             np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
-
-
-def _writes_sharded_checkpoints(strategy: Any) -> bool:
-    """Whether `strategy` saves torch.distributed.checkpoint folders (FSDP sharded, FSDP2)."""
-    if getattr(strategy, "_state_dict_type", None) == "sharded":
-        return True
-    return bool(getattr(strategy, "_save_distributed_checkpoint", False))
 
 
 def actor_loss(

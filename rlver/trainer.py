@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from rlver.console import is_verbose, note
+from rlver.distributed import recover_checkpoints
 from rlver.precision import resolve_precision
 from rlver.progress import StepProgress
 from rlver.resume import ExactlyOnce
@@ -57,3 +58,13 @@ class Trainer(L.Trainer):
             self.callbacks.insert(0, GracefulStop())  # the first SIGTERM / Ctrl-C: checkpoint, stop
         if not any(isinstance(callback, ExactlyOnce) for callback in self.callbacks):
             self.callbacks.insert(0, ExactlyOnce())  # first: a resumed run's files drop what it replays
+
+    def fit(self, *args: Any, **kwargs: Any) -> None:
+        # Before Lightning looks for `last.ckpt`: put back a checkpoint a kill left mid-swap.
+        # Only the launching process (rank 0); the ranks it starts find the folders settled.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+            for callback in self.callbacks:
+                if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                    for path in recover_checkpoints(callback.dirpath):
+                        note(f"{path}: put back (a kill interrupted the checkpoint write that replaced it)")
+        return super().fit(*args, **kwargs)

@@ -48,7 +48,8 @@ class Chaos(L.Callback):
 
     - generation: after the step's second engine call, mid-rollout;
     - update: after the step's first optimizer step, before the weight sync;
-    - checkpoint: halfway through writing the checkpoint taken when `global_step` reaches `step`;
+    - checkpoint: halfway through writing the checkpoint taken when `global_step` reaches `step`
+      (its file, or a sharded checkpoint's meta.pt after the shards);
     - transcripts: after the step's first transcript line and half of the second.
     """
 
@@ -98,14 +99,26 @@ class Chaos(L.Callback):
 
             save = torch.save
 
+            def is_checkpoint(handle) -> bool:
+                # rlver's temporary checkpoint file, or a sharded checkpoint's meta.pt; not the
+                # in-memory buffers torch.distributed pickles objects through.
+                name = (
+                    str(handle) if isinstance(handle, str | os.PathLike) else str(getattr(handle, "name", ""))
+                )
+                return name.endswith((".tmp", "meta.pt"))
+
             def save_half_then_die(obj, handle, *args, **kwargs):
-                if not now() or isinstance(handle, str | os.PathLike):
+                if not now() or not is_checkpoint(handle):
                     return save(obj, handle, *args, **kwargs)
                 buffer = io.BytesIO()
                 save(obj, buffer, *args, **kwargs)
                 data = buffer.getvalue()
-                handle.write(data[: len(data) // 2])
-                handle.flush()
+                if isinstance(handle, str | os.PathLike):  # a sharded checkpoint's meta.pt
+                    with open(handle, "wb") as file:
+                        file.write(data[: len(data) // 2])
+                else:
+                    handle.write(data[: len(data) // 2])
+                    handle.flush()
                 self.die()
 
             torch.save = save_half_then_die

@@ -51,7 +51,10 @@ def chaos_config(workdir: Path, model_dir: Path, server_url: str) -> Path:
     return config
 
 
-def launch(workdir: Path, config: Path, *extra: str, chaos: str = "") -> subprocess.Popen:
+def launch(
+    workdir: Path, config: Path, *extra: str, chaos: str = "", group: bool = False
+) -> subprocess.Popen:
+    """`rlver fit` in the background; `group`: in a process group of its own (its ranks with it)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY, "RLVER_CHAOS": chaos}
     return subprocess.Popen(
         [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
@@ -60,6 +63,7 @@ def launch(workdir: Path, config: Path, *extra: str, chaos: str = "") -> subproc
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=group,
     )
 
 
@@ -241,3 +245,39 @@ def test_the_paper_recipes_keep_the_newest_checkpoints(tmp_path, tiny_model_dir)
     assert process.returncode == 0, output[-3000:]
     kept = sorted(p.name for p in (tmp_path / "runs" / "grpo_think" / "checkpoints").iterdir())
     assert kept == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"], kept
+
+
+def test_a_kill_while_writing_a_sharded_checkpoint_keeps_the_previous_one(tmp_path, tiny_model_dir):
+    """The paper recipes' FSDP checkpoints are folders of shards: written aside, swapped in whole."""
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    lay_out_data(tmp_path)
+    with ScriptedServer(Script()) as server:
+        config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=4)
+        twin = yaml.safe_load(config.read_text())
+        (checkpointing,) = [
+            c for c in twin["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint")
+        ]
+        checkpointing["init_args"]["every_n_train_steps"] = 2
+        twin["trainer"]["callbacks"].append({"class_path": "tests.probes.Chaos"})
+        twin["trainer"].update(num_sanity_val_steps=0, limit_val_batches=0)
+        config.write_text(yaml.safe_dump(twin, sort_keys=False, allow_unicode=True))
+        folder = tmp_path / "runs" / "grpo_nothink" / "checkpoints"
+        process = launch(tmp_path, config, chaos="checkpoint:4", group=True)
+        try:
+            output, _ = process.communicate(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # rank 1 waits for rank 0 forever otherwise
+        assert process.returncode == -signal.SIGKILL, output[-3000:]
+        assert [p.name for p in folder.glob(".*.partial")], sorted(p.name for p in folder.iterdir())
+        assert read_checkpoint_state(folder / "last.ckpt")["global_step"] == 2  # the previous one, whole
+        process = launch(tmp_path, config, "--ckpt_path", "last", group=True)
+        try:
+            output, _ = process.communicate(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        assert process.returncode == 0, output[-3000:]
+    assert read_checkpoint_state(folder / "last.ckpt")["global_step"] == 4
+    assert not list(folder.glob(".*.partial")) and not list(folder.glob(".*.old"))

@@ -141,6 +141,10 @@ def _entry(rank: int, port: int, out: str, target: Any, init_group: bool, args: 
         raise SystemExit(1) from None
     finally:
         if torch.distributed.is_initialized():
+            # Every rank past its last collective before any tears the group down: gloo aborts
+            # (SIGABRT) a rank whose peer closed the connection under a finished-early send.
+            with contextlib.suppress(Exception):
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
@@ -470,3 +474,32 @@ def test_lightning_sharded_checkpoint_reads_back_full_weights(flavor, tmp_path):
     assert module.tested.keys() == initial.keys()
     for name, tensor in final.items():
         assert torch.equal(module.tested[name], tensor), name
+
+
+def test_a_swap_interrupted_anywhere_leaves_one_whole_checkpoint(tmp_path):
+    from rlver.distributed import recover_checkpoints, swap_in
+
+    def folder(name, marker):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "meta.pt").write_text(marker)
+        return path
+
+    last = folder("last.ckpt", "old")
+    swap_in(folder(".last.ckpt.partial", "new"), last)
+    assert (last / "meta.pt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt"
+    ]
+    # Killed after moving the old one aside, before moving the new one in: the old one comes back.
+    (tmp_path / "last.ckpt").rename(tmp_path / ".last.ckpt.old")
+    folder(".last.ckpt.partial", "newer, unfinished")
+    assert recover_checkpoints(tmp_path) == [tmp_path / "last.ckpt"]
+    assert (last / "meta.pt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt"
+    ]
+    # Killed after the new one went in, before the old one was deleted: the new one stays.
+    folder(".last.ckpt.old", "stale")
+    assert recover_checkpoints(tmp_path) == []
+    assert (last / "meta.pt").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.ckpt"
+    ]
