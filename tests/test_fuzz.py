@@ -23,6 +23,9 @@ from rlver.data.profiles import ProfileError, load_profiles, resolve_profile_pat
 from rlver.score import ScoreError, load_scored_file
 from tests.conftest import REPO
 
+# parse_recipe hands LightningCLI its args while pytest's own are in sys.argv: its warning, 200 times.
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
 FUZZ = settings(
     max_examples=200,
     deadline=None,
