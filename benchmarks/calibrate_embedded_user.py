@@ -43,7 +43,8 @@ def turn_rows(path: str) -> tuple[list[dict[str, float]], list[float], int]:
                 earlier = dialogue.replies[:turn]
                 change = float(reason["raw_change"])
                 user_text = dialogue.user_texts[turn]
-                values = semantic.features(reply, user_text, profile.task, change, before, earlier)
+                last = before - dialogue.emotions[turn - 1] if turn else 0.0
+                values = semantic.features(reply, user_text, profile.task, change, before, earlier, last)
                 if semantic.copied(values) is None:
                     rows.append(values)
                     targets.append(dialogue.emotions[turn + 1] - before)

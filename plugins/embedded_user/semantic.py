@@ -18,6 +18,7 @@ Features (FEATURES), each a plain number:
     length     log(1 + characters of the reply)
     mood       the user's emotion before the reply, / 100 (a user in a good mood takes a
                reply better: SAGE's recorded users do, r = 0.58 with the next change)
+    momentum   the user's previous change, / 10 (0 after the opening)
 
 The map (calibration.json) is fitted by benchmarks/calibrate_embedded_user.py on the tune split
 of the shared recorded dialogues only (rlver.agreement.split_of); the held-out split measures it.
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FEATURES = ("rubric", "on_topic", "need", "empathy", "dismissal", "repeat", "length", "mood")
+FEATURES = ("rubric", "on_topic", "need", "empathy", "dismissal", "repeat", "length", "mood", "momentum")
 CALIBRATION = Path(__file__).with_name("calibration.json")
 # At or above this cosine with the user's own message a reply is their words handed back.
 PARROT_SIMILARITY = 0.85
@@ -114,6 +115,7 @@ def features(
     rubric_change: float,
     emotion: float,
     earlier_replies: Sequence[str] = (),
+    last_change: float = 0.0,
 ) -> dict[str, float]:
     """The judge's inputs for one reply (see the module docstring)."""
     model = encoder()
@@ -128,6 +130,7 @@ def features(
         "repeat": max((cosine(vector, model.embed(r)) for r in earlier_replies), default=0.0),
         "length": math.log1p(len(reply)),
         "mood": emotion / 100.0,
+        "momentum": last_change / 10.0,
     }
     return {name: round(value, 4) for name, value in values.items()}
 

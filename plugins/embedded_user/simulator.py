@@ -130,6 +130,8 @@ class EmbeddedUserSession(UserSession):
         self.profile = profile
         self.judge = judge
         self._last_user_text = ""  # the user's latest whole message, for the semantic judge
+        self._last_change = 0.0  # the user's previous change, for the semantic judge
+        self._before_reply = difficulty.start
         self.difficulty = difficulty
         self.rubric = rubric
         self.voice = voice
@@ -161,6 +163,8 @@ class EmbeddedUserSession(UserSession):
 
     def follow(self, text: str, emotion: float | None = None) -> None:
         if emotion is not None:  # the recorded emotion, and whether it ended the dialogue
+            if self._opening is not None:
+                self._last_change = float(emotion) - self._before_reply
             self._emotion = float(emotion)
             self._ended = termination(self._emotion, self.difficulty)
         if self._opening is None:
@@ -177,11 +181,12 @@ class EmbeddedUserSession(UserSession):
         assessment = self.rubric.assess(reply, context)
         if self.judge == "semantic":
             self._judge_semantically(reply, assessment)
-        before = self._emotion
+        before = self._before_reply = self._emotion
         emotion, _ = apply_change(before, assessment.raw_change, self.difficulty)
         # Two decimals keep transcripts readable and free of float noise (35.869999...).
         self._emotion = round(emotion, 2)
         applied = round(self._emotion - before, 2)
+        self._last_change = applied
         self._replies.append(reply)
         band_label = band(self._emotion)
         self._ended = termination(self._emotion, self.difficulty)
@@ -206,7 +211,13 @@ class EmbeddedUserSession(UserSession):
             assessment.details["semantic"] = {"guard": assessment.signal}
             return
         values = semantic.features(
-            reply, self._last_user_text, self.profile.task, rubric_change, self._emotion, self._replies
+            reply,
+            self._last_user_text,
+            self.profile.task,
+            rubric_change,
+            self._emotion,
+            self._replies,
+            self._last_change,
         )
         copy = semantic.copied(values)
         if copy is not None:  # the user's own words handed back, or an earlier reply again
