@@ -27,7 +27,7 @@ import yaml
 
 from rlver.distributed import read_checkpoint_state
 from tests.conftest import REPO
-from tests.test_multiprocess import API_KEY, digests, lay_out_data, read_scalars, twin_config
+from tests.test_multiprocess import digests, launch, lay_out_data, read_scalars, twin_config
 
 pytestmark = pytest.mark.slow
 
@@ -49,22 +49,6 @@ def chaos_config(workdir: Path, model_dir: Path, server_url: str) -> Path:
     twin["trainer"]["callbacks"].append({"class_path": "tests.probes.Chaos"})
     config.write_text(yaml.safe_dump(twin, sort_keys=False))
     return config
-
-
-def launch(
-    workdir: Path, config: Path, *extra: str, chaos: str = "", group: bool = False
-) -> subprocess.Popen:
-    """`rlver fit` in the background; `group`: in a process group of its own (its ranks with it)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY, "RLVER_CHAOS": chaos}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=group,
-    )
 
 
 def transcript_lines(path: Path) -> list[str]:

@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from rlver.distributed import read_checkpoint_state
-from tests.test_chaos import launch
-from tests.test_multiprocess import lay_out_data, read_scalars, run_fit, twin_config
+from tests.test_multiprocess import launch, lay_out_data, read_scalars, run_fit, twin_config
 
 pytestmark = pytest.mark.slow
 

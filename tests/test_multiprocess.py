@@ -121,6 +121,22 @@ def run_fit(workdir: Path, *args, timeout=600, command="fit"):
     return result
 
 
+def launch(
+    workdir: Path, config: Path, *extra: str, chaos: str = "", group: bool = False
+) -> subprocess.Popen:
+    """`rlver fit` in the background; `group`: in a process group of its own (its ranks with it)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY, "RLVER_CHAOS": chaos}
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=group,
+    )
+
+
 def digests(workdir: Path, ranks=2):
     return [json.loads((workdir / "digests" / f"digest_rank{r}.json").read_text()) for r in range(ranks)]
 

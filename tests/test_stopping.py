@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 
 import pytest
 
 from rlver.distributed import read_checkpoint_state
-from tests.conftest import REPO
-from tests.test_multiprocess import API_KEY, lay_out_data, run_fit, twin_config
+from tests.test_multiprocess import launch, lay_out_data, run_fit, twin_config
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +20,6 @@ def transcript_steps(path):
     if not path.exists():
         return []
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
-
-
-def start_fit(workdir, config, *extra):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def stop_after_first_step(process, transcripts, which):
@@ -70,7 +55,7 @@ def test_first_signal_checkpoints_and_stops_then_the_run_resumes(
         config = twin_config(recipe, tmp_path, tiny_model_dir, server.url, steps=500, devices=devices)
         run = tmp_path / "runs" / recipe
         transcripts = run / "tensorboard" / "rollouts" / "train_rank0.jsonl"
-        output = stop_after_first_step(start_fit(tmp_path, config), transcripts, which)
+        output = stop_after_first_step(launch(tmp_path, config), transcripts, which)
         assert f"stopped by {which.name}" in output, output[-3000:]
         checkpoint = run / "checkpoints" / "last.ckpt"
         stopped_at = read_checkpoint_state(checkpoint)["global_step"]
