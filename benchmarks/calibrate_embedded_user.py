@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 from pathlib import Path
 
 from rlver_plugins.embedded_user import EmbeddedUserSimulator, semantic
@@ -24,14 +25,17 @@ from rlver_plugins.embedded_user.simulator import GUARDED_SIGNALS
 from rlver.agreement import load_recorded, pearson, split_of
 from rlver.data.profiles import parse_profile
 
+FOLDS = 5
+RUBRIC_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
-def turn_rows(path: str) -> tuple[list[dict[str, float]], list[float], int]:
+
+def turn_rows(path: str) -> tuple[list[dict[str, float]], list[float], list[str]]:
+    """Features and SAGE's change of every tune-split turn the map decides, with its dialogue id."""
     simulator = EmbeddedUserSimulator(judge="rubric")
-    rows, targets, dialogues = [], [], 0
+    rows, targets, ids = [], [], []
     for dialogue in load_recorded(path):
         if split_of(dialogue.id) != "tune":
             continue
-        dialogues += 1
         profile = parse_profile(dialogue.record, where=dialogue.where)
         session = simulator.open(profile, seed=0)
         session.follow(dialogue.user_texts[0], dialogue.emotions[0])
@@ -48,20 +52,48 @@ def turn_rows(path: str) -> tuple[list[dict[str, float]], list[float], int]:
                 if semantic.copied(values) is None:
                     rows.append(values)
                     targets.append(dialogue.emotions[turn + 1] - before)
+                    ids.append(dialogue.id)
             # SAGE's words and emotion again (an ending the rubric's own emotion reached is undone).
             session.follow(dialogue.user_texts[turn + 1], dialogue.emotions[turn + 1])
-    return rows, targets, dialogues
+    return rows, targets, ids
+
+
+def cross_validated_r(
+    rows: list[dict[str, float]], targets: list[float], ids: list[str], ridge: float, rubric_weight: float
+) -> float:
+    """Per-turn r of fits that never saw the dialogue they predict (FOLDS folds by dialogue id)."""
+    fold = [int(hashlib.sha256(f"fold:{i}".encode()).hexdigest()[:8], 16) % FOLDS for i in ids]
+    predicted = [0.0] * len(rows)
+    for k in range(FOLDS):
+        inside = [j for j in range(len(rows)) if fold[j] != k]
+        fitted = semantic.fit([rows[j] for j in inside], [targets[j] for j in inside], ridge, rubric_weight)
+        for j in range(len(rows)):
+            if fold[j] == k:
+                predicted[j] = fitted.predict(rows[j])
+    return pearson(predicted, targets)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="recorded SAGE dialogues (the shared Qwen2.5-72B file)")
     parser.add_argument("--ridge", type=float, default=5.0)
+    parser.add_argument(
+        "--rubric-weight",
+        type=float,
+        default=0.5,
+        help="the rubric's fixed weight in the map (default 0.5: the smallest at which no theme's "
+        "need-violating reply beats its need-meeting one in tests/test_semantic_user.py; the "
+        "cross-validated table this prints shows what agreement each weight costs)",
+    )
     parser.add_argument("--out", type=Path, default=semantic.CALIBRATION)
     args = parser.parse_args()
 
-    rows, targets, dialogues = turn_rows(args.file)
-    calibration = semantic.fit(rows, targets, ridge=args.ridge)
+    rows, targets, ids = turn_rows(args.file)
+    dialogues = len(set(ids))
+    print(f"cross-validated per-turn r on the tune split ({FOLDS} folds by dialogue), by rubric weight:")
+    for weight in RUBRIC_WEIGHTS:
+        print(f"  {weight:4.2f}  {cross_validated_r(rows, targets, ids, args.ridge, weight):.3f}")
+    calibration = semantic.fit(rows, targets, ridge=args.ridge, rubric_weight=args.rubric_weight)
     fitted = [calibration.predict(row) for row in rows]
     about = {
         "fitted_on": Path(args.file).name,
@@ -69,6 +101,10 @@ def main() -> None:
         "dialogues": dialogues,
         "turns": len(rows),
         "ridge": args.ridge,
+        "rubric_weight": args.rubric_weight,
+        "per_turn_r_cross_validated": round(
+            cross_validated_r(rows, targets, ids, args.ridge, args.rubric_weight), 4
+        ),
         "per_turn_r_on_fit": round(pearson(fitted, targets), 4),
     }
     calibration = dataclasses.replace(calibration, about=about)

@@ -99,6 +99,8 @@ def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
             str(SAGE_FILE),
             "--split",
             "held_out",
+            "--simulator",
+            "{name: embedded, judge: semantic}",
             "--json",
             out,
         ],
@@ -111,8 +113,10 @@ def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
     print(result.stdout)
     (figures,) = json.loads(out.read_text()).values()
     assert figures["dialogues"] == 31 and figures["turns"] > 150
-    assert -1 <= figures["turn_pearson"] <= 1 and -1 <= figures["final_pearson"] <= 1
     assert figures["mean_recorded_final"] == pytest.approx(14.8, abs=0.05)  # SAGE's own scores
+    # The semantic judge on dialogues its calibration never saw (0.549 when it was fitted; the
+    # rubric alone: 0.12). A refit or an encoder change that loses this fails here.
+    assert figures["turn_pearson"] >= 0.5 and figures["final_pearson"] >= 0.7
 
 
 @pytest.mark.slow

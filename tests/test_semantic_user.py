@@ -32,6 +32,19 @@ def test_the_shipped_calibration_was_fitted_on_the_tune_split_only():
     # A user in a better mood takes a reply better (SAGE's users do); empathy helps.
     weights = dict(zip(semantic.FEATURES, calibration.weights, strict=True))
     assert weights["mood"] > 0 and weights["empathy"] > 0
+    # No fitted direction reverses a sign the fit must keep: repeating never pays.
+    assert all(weights[name] * sign >= 0 for name, sign in semantic.SIGNS.items())
+
+
+def test_the_fit_leaves_out_a_feature_that_would_take_the_wrong_sign():
+    # `repeat` tracks the target exactly here, so a free fit would pay for repeating.
+    rows = [
+        dict.fromkeys(semantic.FEATURES, 0.0) | {"repeat": r / 10, "mood": (r * 7 % 10) / 10}
+        for r in range(10)
+    ]
+    targets = [float(r) for r in range(10)]
+    fitted = dict(zip(semantic.FEATURES, semantic.fit(rows, targets).weights, strict=True))
+    assert fitted["repeat"] == 0.0 and fitted["mood"] != 0.0
 
 
 def test_same_seed_same_dialogue():

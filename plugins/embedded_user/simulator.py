@@ -219,14 +219,14 @@ class EmbeddedUserSession(UserSession):
             self._replies,
             self._last_change,
         )
+        change = semantic.load_calibration().predict(values)
         copy = semantic.copied(values)
         if copy is not None:  # the user's own words handed back, or an earlier reply again
-            change = min(rubric_change, 0.0) - 2.0
+            change = min(change, 0.0) - semantic.COPY_PENALTY
             assessment.signal = "repetition"
             similarity = max(values["on_topic"], values["repeat"])
             assessment.notes["semantic"] = f"{copy} (similarity {similarity:.2f})"
         else:
-            change = semantic.load_calibration().predict(values)
             assessment.notes["semantic"] = f"calibrated map over the rubric's {rubric_change:+.1f}"
         assessment.criteria["semantic"] = round(change - rubric_change, 2)
         assessment.details["semantic"] = {"features": values, "change": change}
