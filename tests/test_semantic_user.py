@@ -99,10 +99,29 @@ def test_copying_the_reference_replies_earns_no_more_empathy_than_the_most_empat
     calibration = semantic.load_calibration()
     index = semantic.FEATURES.index("empathy")
     copied = " ".join(t for t in semantic.EMPATHETIC if t.isascii())
-    values = semantic.features(copied, "My brother missed the party.", "be understood", 0.0, 40.0)
+    # Even on topic (the user said the references' own words), the feature is held at the most
+    # empathetic real reply's value.
+    values = semantic.features(copied, copied, "be understood", 0.0, 40.0)
     assert values["empathy"] > calibration.high[index]  # the raw cosine is past any real reply
     held = dict(values, empathy=calibration.high[index])
     assert calibration.predict(values) == calibration.predict(held)  # ... and counts as the most real
+
+
+STOCK_SYMPATHY = (
+    "I'm sorry to hear that.",
+    "I'm sorry to hear that you're going through a tough time, but I'm sorry to hear that you're "
+    "going through a tough time too.",
+    "I'm sorry to hear you're feeling down, but I'm sorry to hear you're worried, but I'm sorry "
+    "to hear you're trying to do better.",
+)
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_stock_sympathy_loses_to_a_reply_that_meets_the_need(theme):
+    # Near the empathetic references in embedding space, far from what the user said: what
+    # SmolLM2 learned to say when `empathy` counted in full.
+    for stock in STOCK_SYMPATHY:
+        assert change(theme, stock) < change(theme, MEETS[theme][0]) - 1.0, stock
 
 
 def test_off_topic_and_generic_replies_lose_to_a_warm_on_topic_question():

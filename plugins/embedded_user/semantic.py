@@ -12,7 +12,10 @@ Features (FEATURES), each a plain number:
     rubric     the rubric's raw change (its need, attention, tone, ... criteria)
     on_topic   cosine of the reply with the user's latest message
     need       cosine of the reply with the persona's hidden need (the profile's task)
-    empathy    highest cosine with the empathetic reference replies
+    empathy    highest cosine with the empathetic reference replies, but no more than
+               on_topic: sympathy counts as far as the reply is about what the user said (a
+               stock "I'm sorry to hear that" is near the references and far from the user;
+               counted in full, it beat replies that meet the need)
     dismissal  highest cosine with the dismissive reference replies
     repeat     highest cosine with the policy's earlier replies in this dialogue (0 at first)
     length     log(1 + characters of the reply)
@@ -149,11 +152,12 @@ def features(
     model = encoder()
     vector = model.embed(reply)
     empathetic, dismissive = _references()
+    on_topic = cosine(vector, model.embed(user_text))
     values = {
         "rubric": rubric_change,
-        "on_topic": cosine(vector, model.embed(user_text)),
+        "on_topic": on_topic,
         "need": cosine(vector, model.embed(need)),
-        "empathy": max(cosine(vector, e) for e in empathetic),
+        "empathy": min(max(cosine(vector, e) for e in empathetic), on_topic),
         "dismissal": max(cosine(vector, d) for d in dismissive),
         "repeat": max((cosine(vector, model.embed(r)) for r in earlier_replies), default=0.0),
         "length": math.log1p(len(reply)),
