@@ -102,12 +102,17 @@ def test_a_profile_level_beats_the_embedded_simulator_option():
 
 
 def test_clamping_follows_the_profile_level():
-    clamped = EmbeddedUserSimulator(difficulty="hard").open(make_profile(difficulty="normal"), seed=0)
+    # The rubric's raw changes go past 10 (the semantic judge's stay within SAGE's -10..10).
+    clamped = EmbeddedUserSimulator(difficulty="hard", judge="rubric").open(
+        make_profile(difficulty="normal"), seed=0
+    )
     turn = clamped.respond(HOSTILE)
     assert turn.reason["raw_change"] < -10
     assert turn.change == -10.0 and turn.emotion == 30.0  # normal: 40, clamped to -10
 
-    free = EmbeddedUserSimulator(difficulty="normal").open(make_profile(difficulty="hard"), seed=0)
+    free = EmbeddedUserSimulator(difficulty="normal", judge="rubric").open(
+        make_profile(difficulty="hard"), seed=0
+    )
     turn = free.respond(HOSTILE)
     raw = turn.reason["raw_change"]
     assert turn.change == pytest.approx(max(-30.0, raw * 1.25), abs=0.01) and turn.change < -12.5

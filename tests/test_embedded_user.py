@@ -1,4 +1,8 @@
-"""Tests of the embedded user simulator: rubric values, emotion mechanics, voice, gaming."""
+"""Tests of the embedded user simulator: rubric values, emotion mechanics, voice, gaming.
+
+These specify the rubric (`judge: rubric`): its criteria, levels and guards. The default judge,
+`semantic`, builds on it; tests/test_semantic_user.py holds it to the same replies and tricks.
+"""
 
 from __future__ import annotations
 
@@ -214,6 +218,7 @@ RECORD_KEYS = {
 
 
 def open_session(profile: Profile | None = None, seed: int = 0, **options):
+    options.setdefault("judge", "rubric")  # the rubric's specification (see the module docstring)
     session = EmbeddedUserSimulator(**options).open(profile or make_profile(), seed=seed)
     session.opening()
     return session
@@ -609,8 +614,9 @@ def test_same_seed_same_transcript_and_other_seeds_only_change_the_wording():
 
 def test_the_simulator_seed_also_changes_only_the_wording():
     profile = make_profile(first_talk=None)
-    a = EmbeddedUserSimulator(seed=1).open(profile, seed=3)
-    b = EmbeddedUserSimulator(seed=2).open(profile, seed=3)
+    # (Under the semantic judge the wording is part of what a reply is compared with.)
+    a = EmbeddedUserSimulator(seed=1, judge="rubric").open(profile, seed=3)
+    b = EmbeddedUserSimulator(seed=2, judge="rubric").open(profile, seed=3)
     for reply in MEETS["venting_listening"][:3]:
         assert a.respond(reply).emotion == b.respond(reply).emotion
 

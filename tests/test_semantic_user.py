@@ -1,18 +1,27 @@
-"""The embedded user's semantic judge: calibrated, deterministic, and still hard to game."""
+"""The embedded user's semantic judge (the default): calibrated, deterministic, still hard to game.
+
+The rubric's tests (test_embedded_user.py) fix absolute levels; these hold the semantic judge to
+the same replies and tricks by comparison, because its levels are SAGE's: at the quickstart's
+start emotion, SAGE's users drop a little after an average Qwen2.5-72B reply.
+"""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
-from rlver_plugins.embedded_user import semantic
+from rlver_plugins.embedded_user import EmbeddedUserSimulator, semantic
 
 from tests.test_embedded_user import (
     BUZZWORDS,
+    KITCHEN_SINK,
     MEETS,
+    PERSONALITIES,
     THEMES,
     VIOLATES,
+    ZH_REPLIES,
     make_profile,
+    official_profiles,
     open_session,
     run_dialogue,
 )
@@ -22,6 +31,10 @@ JUDGE = {"judge": "semantic"}
 
 def change(theme, reply, personality="passive"):
     return open_session(make_profile(theme, personality), **JUDGE).respond(reply).change
+
+
+def test_it_is_the_default_judge():
+    assert EmbeddedUserSimulator().judge == "semantic"
 
 
 def test_the_shipped_calibration_was_fitted_on_the_tune_split_only():
@@ -62,9 +75,32 @@ def test_the_record_shows_the_features_and_the_calibrated_change():
     assert "semantic" in turn.reason["criteria"]
 
 
+@pytest.mark.parametrize(("theme", "personality"), itertools.product(THEMES, PERSONALITIES))
+def test_a_reply_meeting_the_need_beats_one_violating_it(theme, personality):
+    met, violated = change(theme, MEETS[theme][0], personality), change(theme, VIOLATES[theme], personality)
+    assert met - violated >= 2, (met, violated)
+
+
 @pytest.mark.parametrize("theme", THEMES)
-def test_a_reply_meeting_the_need_beats_one_violating_it(theme):
-    assert change(theme, MEETS[theme][0]) > change(theme, VIOLATES[theme])
+def test_a_dialogue_that_keeps_meeting_the_need_ends_far_above_one_that_keeps_violating_it(theme):
+    met = open_session(make_profile(theme), **JUDGE)
+    run_dialogue(met, MEETS[theme])
+    violated = open_session(make_profile(theme), **JUDGE)
+    run_dialogue(violated, [VIOLATES[theme]] * len(MEETS[theme]))
+    assert met.emotion - violated.emotion >= 20, (met.emotion, violated.emotion)
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_a_universal_template_does_not_beat_a_focused_reply(theme):
+    assert change(theme, KITCHEN_SINK) < change(theme, MEETS[theme][0])
+
+
+def test_official_chinese_profiles_prefer_replies_that_meet_the_need():
+    for profile in official_profiles():
+        met, violated = ZH_REPLIES[profile.theme.value]
+        met_change = open_session(profile, **JUDGE).respond(met).change
+        violated_change = open_session(profile, **JUDGE).respond(violated).change
+        assert met_change > violated_change, profile.theme
 
 
 @pytest.mark.parametrize("theme", THEMES)
@@ -76,9 +112,12 @@ def test_repeating_a_reply_that_scored_well_loses_emotion(theme):
 @pytest.mark.parametrize("theme", THEMES)
 def test_padding_with_emotional_keywords_loses_emotion(theme):
     orders = itertools.islice(itertools.permutations(BUZZWORDS), 0, None, 97)
-    padded = ", ".join(next(orders)) + "."
-    assert change(theme, padded) < 0
+    padded = [", ".join(order) + "." for order in itertools.islice(orders, 8)]
+    assert change(theme, padded[0]) < 0
     assert change(theme, MEETS[theme][0] + " " + ", ".join(BUZZWORDS)) < change(theme, MEETS[theme][0])
+    session = open_session(make_profile(theme), **JUDGE)
+    assert all(turn.change < 0 for turn in run_dialogue(session, padded))
+    assert session.emotion < 40.0 - 15
 
 
 def test_handing_the_users_words_back_is_not_empathy():

