@@ -29,8 +29,8 @@ Features (FEATURES), each a plain number:
 The map (calibration.json) is fitted by benchmarks/calibrate_embedded_user.py on the tune split
 of the shared recorded dialogues only (rlver.agreement.split_of); the held-out split measures it.
 The rubric's change enters with a fixed weight of 0.5. Cross-validated on the tune split, a
-smaller share agrees with SAGE a little better (per-turn r 0.61 at 0 and 0.25, 0.58 at 0.5,
-0.50 at 1), but below 0.5 a reply that violates the user's need beat one that meets it on two
+smaller share agrees with SAGE a little better (per-turn r 0.61 at 0, 0.60 at 0.25, 0.58 at
+0.5, 0.49 at 1), but below 0.5 a reply that violates the user's need beat one that meets it on two
 of the eight themes (tests/test_semantic_user.py): recorded LLM replies are all competent, so
 the map learns little about bad ones, and the rubric's share is what tells them apart.
 Guards against gaming stay in charge, never the map: a garbled or buzzword-stuffed reply gets
