@@ -3,8 +3,9 @@
 Each recorded dialogue of the tune split (rlver.agreement.split_of: the 70% never held out) is
 replayed through the embedded user with teacher forcing of both the user's words and emotion;
 at every turn the rubric judges the recorded reply and the semantic features are computed
-(plugins/embedded_user/semantic.py). Turns the guards keep (garbled or stuffed replies, a copy
-of the user's message or of an earlier reply) are left out: the map never decides those. A
+(plugins/embedded_user/semantic.py). Turns the guards decide (garbled or stuffed replies keep
+the rubric's verdict; a copy of the user's message or of an earlier reply gets the map's change
+capped at 0, minus COPY_PENALTY) are left out of the fit. A
 ridge regression maps the features to SAGE's recorded change; the fit is written to
 calibration.json with what it was fitted on and its per-turn correlation there. Measure it with
 `benchmarks/simulator_agreement.py FILE --split held_out --simulator '{name: embedded, judge: semantic}'`.
@@ -81,8 +82,8 @@ def main() -> None:
         "--rubric-weight",
         type=float,
         default=0.5,
-        help="the rubric's fixed weight in the map (default 0.5: the smallest at which no theme's "
-        "need-violating reply beats its need-meeting one in tests/test_semantic_user.py; the "
+        help="the rubric's fixed weight in the map (default 0.5: at 0.25 a need-violating reply "
+        "beat the need-meeting one on two themes in tests/test_semantic_user.py; the "
         "cross-validated table this prints shows what agreement each weight costs)",
     )
     parser.add_argument("--out", type=Path, default=semantic.CALIBRATION)
