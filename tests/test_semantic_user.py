@@ -8,10 +8,14 @@ start emotion, SAGE's users drop a little after an average Qwen2.5-72B reply.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 from rlver_plugins.embedded_user import EmbeddedUserSimulator, semantic
 
+from tests.conftest import REPO
+from tests.test_agreement import SAGE_FILE
 from tests.test_embedded_user import (
     BUZZWORDS,
     KITCHEN_SINK,
@@ -169,3 +173,25 @@ def test_off_topic_and_generic_replies_lose_to_a_warm_on_topic_question():
     )
     assert change("venting_listening", "Did you watch the football game yesterday?") < warm
     assert change("venting_listening", "Okay.") < warm
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SAGE_FILE.is_file(), reason="needs ../shared/data (the recorded SAGE dialogues)")
+def test_the_shipped_calibration_is_what_the_calibration_script_fits_today(tmp_path):
+    # A feature or guard changed without refitting would leave calibration.json stale.
+    out = tmp_path / "calibration.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/calibrate_embedded_user.py", str(SAGE_FILE), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    refit, shipped = semantic.load_calibration(str(out)), semantic.load_calibration()
+    assert refit.weights == pytest.approx(shipped.weights, abs=1e-4)
+    assert refit.bias == pytest.approx(shipped.bias, abs=1e-4)
+    # Other CPUs may move an embedding's last digits, and a rounded feature with them.
+    for key, value in (shipped.about or {}).items():
+        expected = pytest.approx(value, abs=2e-3) if isinstance(value, float) else value
+        assert (refit.about or {}).get(key) == expected, key
