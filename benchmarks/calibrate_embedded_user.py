@@ -91,9 +91,11 @@ def main() -> None:
 
     rows, targets, ids = turn_rows(args.file)
     dialogues = len(set(ids))
+    weights_tried = sorted({*RUBRIC_WEIGHTS, args.rubric_weight})
+    agreement = {w: cross_validated_r(rows, targets, ids, args.ridge, w) for w in weights_tried}
     print(f"cross-validated per-turn r on the tune split ({FOLDS} folds by dialogue), by rubric weight:")
-    for weight in RUBRIC_WEIGHTS:
-        print(f"  {weight:4.2f}  {cross_validated_r(rows, targets, ids, args.ridge, weight):.3f}")
+    for weight, r in agreement.items():
+        print(f"  {weight:4.2f}  {r:.3f}")
     calibration = semantic.fit(rows, targets, ridge=args.ridge, rubric_weight=args.rubric_weight)
     fitted = [calibration.predict(row) for row in rows]
     about = {
@@ -103,9 +105,7 @@ def main() -> None:
         "turns": len(rows),
         "ridge": args.ridge,
         "rubric_weight": args.rubric_weight,
-        "per_turn_r_cross_validated": round(
-            cross_validated_r(rows, targets, ids, args.ridge, args.rubric_weight), 4
-        ),
+        "per_turn_r_cross_validated": round(agreement[args.rubric_weight], 4),
         "per_turn_r_on_fit": round(pearson(fitted, targets), 4),
     }
     calibration = dataclasses.replace(calibration, about=about)
