@@ -16,6 +16,8 @@ built wheel instead:
    (pkgutil.walk_packages), each of which must come from the scratch venv;
 5. runs the scratch venv's `rlver plugins` (the 7 built-in plugins must be listed) and
    `rlver --help`.
+6. the installed embedded user (its default, SAGE-calibrated judge) answers one reply of a
+   built-in profile: its calibration and the profiles are data files read from the wheel.
 
 Run from anywhere (takes about 20 s):  .venv/bin/python .ci/wheel_check.py
 Exits 1 with a message naming what is wrong. `--pyproject FILE` builds with another
@@ -249,6 +251,29 @@ def check_console_script(bin_dir: Path, cwd: Path, env: dict[str, str]) -> list[
     return builtin
 
 
+EMBEDDED_USER = """
+from pathlib import Path
+import sys
+from rlver.data.profiles import load_profiles
+from rlver_plugins.embedded_user import EmbeddedUserSimulator, semantic
+assert Path(semantic.CALIBRATION).resolve().is_relative_to(Path(sys.argv[1]).resolve()), semantic.CALIBRATION
+simulator = EmbeddedUserSimulator()
+session = simulator.open(load_profiles("builtin:en_test")[0], seed=0)
+session.opening()
+turn = session.respond("That sounds really hard. What happened next?")
+print(simulator.judge, turn.reason["semantic"]["change"])
+"""
+
+
+def check_embedded_user(scratch_python: Path, site: Path, cwd: Path, env: dict[str, str]) -> str:
+    result = run([scratch_python, "-c", EMBEDDED_USER, site], cwd=cwd, env=env, timeout=240)
+    if result.returncode != 0 or not result.stdout.startswith("semantic "):
+        raise CheckFailed(
+            "the installed embedded user could not judge a reply:\n" + (result.stdout + result.stderr)[-3000:]
+        )
+    return result.stdout.split()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_python = REPO / ".venv" / "bin" / "python"
@@ -310,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         outside.mkdir()
         count = check_imports(scratch_python, site, modules, outside, env)
         plugins = check_console_script(scratch / "bin", outside, env)
+        change = check_embedded_user(scratch_python, site, outside, env)
     except CheckFailed as error:
         print(f"wheel-check FAILED: {error}", file=sys.stderr)
         return 1
@@ -320,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print(
         f"wheel-check: OK in {time.perf_counter() - started:.0f} s: imported {count} modules from the wheel, "
-        f"`rlver plugins` lists the {len(plugins)} built-in plugins, `rlver --help` works"
+        f"`rlver plugins` lists the {len(plugins)} built-in plugins, `rlver --help` works, "
+        f"the embedded user judged a reply (change {change} from its semantic judge)"
     )
     return 0
 
