@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -227,6 +228,39 @@ def score_command(argv: Sequence[str]) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- rlver plan
+def plan_command(argv: Sequence[str]) -> int:
+    from rlver.memory_plan import GIB, failures, format_plan, plan_recipe
+
+    parser = ArgumentParser(
+        prog="rlver plan",
+        description="GPU memory of each phase of a training step, per GPU (exit 1: one does not fit).",
+    )
+    parser.add_argument("--config", type=str, required=True, help="A recipe YAML (as `rlver fit` reads it).")
+    parser.add_argument(
+        "--gpu-memory-gib", type=float | None, default=None, help="GPU memory (default: this GPU's, else 80)."
+    )
+    parser.add_argument(
+        "--world-size", type=int | None, default=None, help="GPUs in all (default: devices x num_nodes)."
+    )
+    cfg = parser.parse_args(list(argv))
+    memory = cfg.gpu_memory_gib
+    if memory is None:
+        import torch
+
+        memory = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
+    if memory <= 0:
+        parser.error(f"--gpu-memory-gib ({memory}) must be > 0")
+    check_config_files(["--config", cfg.config])
+    with warnings.catch_warnings():  # LightningCLI warns that argv is not the recipe's own
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        config = parse_recipe(cfg.config)
+    arch, shape, phases = plan_recipe(config, gpu_memory_gib=memory, world_size=cfg.world_size)
+    print(f"rlver plan: {cfg.config}")
+    print(format_plan(arch, shape, phases))
+    return 1 if failures(phases) else 0
+
+
 # --------------------------------------------------------------------------- fit / validate / test
 def _lightning_cli_class() -> type:
     from lightning.pytorch.cli import LightningCLI
@@ -326,6 +360,7 @@ COMMANDS = {
     "rollout": rollout_command,
     "export": export_command,
     "score": score_command,
+    "plan": plan_command,
 }
 TRAINER_COMMANDS = ("fit", "validate", "test")
 
@@ -340,6 +375,7 @@ commands:
   rollout    run dialogues, write transcripts, print a summary
   export     write a checkpoint's policy as a Hugging Face folder
   score      score transcript files (Sentient benchmark): leaderboard and emotion plot
+  plan       GPU memory of each phase of a recipe's training step; exit 1 if one does not fit
   plugins    list installed plugins and what they register (JSON)
 
 `--verbose` anywhere (or RLVER_VERBOSE=1) also shows the libraries' own logging and warnings.

@@ -19,6 +19,7 @@ collective: every rank must call it, in the same order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Iterator
@@ -176,6 +177,19 @@ def fsdp2_shard(
     return module
 
 
+def full_precision_reductions(config: Any) -> Any:
+    """FSDP1 mixed precision that computes in the low dtype but keeps buffers and reductions float32.
+
+    Lightning's `bf16-mixed` gives `MixedPrecision(bf16, bf16, bf16)`: the RoPE `inv_freq` buffer is
+    cast to bf16 (positions then drift from the engine's at long context) and gradients are
+    reduce-scattered in bf16 (rounded before they reach the float32 weights). The parameters are
+    still gathered in the low dtype; buffers and gradient reductions stay float32.
+    """
+    if config is None or getattr(config, "param_dtype", None) is None:
+        return config
+    return dataclasses.replace(config, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+
+
 def shard_for_strategy(module: nn.Module, strategy: Any) -> nn.Module:
     """Shard `module` the way the Lightning `strategy` expects; call it in `configure_model`.
 
@@ -199,7 +213,7 @@ def shard_for_strategy(module: nn.Module, strategy: Any) -> nn.Module:
             module,
             device=strategy.root_device,
             cpu_offload=strategy.cpu_offload,
-            mixed_precision=strategy.mixed_precision_config,
+            mixed_precision=full_precision_reductions(strategy.mixed_precision_config),
             sharding_strategy=strategy.sharding_strategy,
             **kwargs,
         )
@@ -256,7 +270,7 @@ class AnyDeviceFSDPStrategy(_lightning_fsdp_strategy()):  # type: ignore[misc]
         model = _fsdp1_class()(
             module=model,
             cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
+            mixed_precision=full_precision_reductions(self.mixed_precision_config),
             sharding_strategy=self.sharding_strategy,
             device_id=torch.device("cpu"),
             **self.kwargs,
@@ -304,6 +318,53 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False) -> dict[str
                 tensor = tensor.full_tensor()
             state[name] = tensor.cpu() if cpu_offload else tensor
     return {clean_name(name): tensor.detach() for name, tensor in state.items()}
+
+
+def iter_full_weights(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """Full parameters under Hugging Face names, one FSDP unit at a time (a collective).
+
+    Where `full_state_dict` holds every full tensor at once (a 7B model is 15 GiB in bf16, 30 GiB
+    in float32, on every GPU), this gathers one unit (a decoder layer) per chunk: a weight sync
+    needs one layer's worth of memory. Every rank must consume the whole iterator, in order.
+    The tensors of a chunk are valid until the next chunk is asked for: copy what you keep.
+
+    * FSDP1: `summon_full_params(unit, recurse=False)` over every unit, deepest owner first
+      counted (a parameter belongs to the innermost unit that holds it).
+    * FSDP2 / DTensor: one `full_tensor()` per parameter.
+    * Plain and DDP modules: one chunk of the parameters themselves (no copy).
+    Buffers are left out: inference engines compute their own (rotary tables and the like).
+    """
+    module = _unwrap_ddp(module)
+    names = {id(p): clean_name(n) for n, p in module.named_parameters()}
+    if uses_fsdp1(module):
+        fsdp = _fsdp1_class()
+        units = [unit for root in _top_fsdp1_units(module) for unit in fsdp.fsdp_modules(root)]
+        owner: dict[int, nn.Module] = {}
+        for unit in units:  # pre-order: inner units overwrite their parents
+            for parameter in unit.parameters():
+                owner[id(parameter)] = unit
+        for unit in units:
+            own = [p for p in unit.parameters() if owner[id(p)] is unit]
+            if not own:
+                continue
+            with fsdp.summon_full_params(unit, recurse=False, writeback=False):
+                yield {names[id(p)]: p.detach() for p in own}
+        return
+    dtensor = _dtensor_class()
+    if not any(isinstance(p, dtensor) for p in module.parameters()):
+        yield {names[id(p)]: p.detach() for p in module.parameters()}
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: dict[int, nn.Module] = {}  # by innermost fully_shard unit (a decoder layer)
+    for unit in [module, *(m for m in module.modules() if isinstance(m, FSDPModule))]:
+        for parameter in unit.parameters():
+            groups[id(parameter)] = unit
+    chunks: dict[int, list[nn.Parameter]] = {}
+    for parameter in module.parameters():
+        chunks.setdefault(id(groups[id(parameter)]), []).append(parameter)
+    for own in chunks.values():
+        yield {names[id(p)]: (p.full_tensor() if isinstance(p, dtensor) else p).detach() for p in own}
 
 
 @contextlib.contextmanager

@@ -99,6 +99,13 @@ class UserSimulator(ABC):
         """Counters since the last call (requests, retries, ...), logged under `simulator/`."""
         return {}
 
+    def worst_case_seconds(self) -> float | None:
+        """How long a dead endpoint can keep a rank waiting before this simulator gives up on it
+        (raises SimulatorUnavailable); None: no endpoint, or it never gives up. Multi-process
+        training keeps its collectives' timeout above it, so a dead endpoint ends in the clean
+        stop with `last.ckpt`, not in a collective timing out."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release connections and threads; the simulator is not used afterwards."""
 
@@ -242,10 +249,12 @@ class AdvantageResult:
 class AdvantageEstimator(ABC):
     """Turns rewards (and values, for critics) into per-token advantages.
 
-    `requires_critic` tells the trainer whether to build and train a value model.
+    `requires_critic` tells the trainer whether to build and train a value model;
+    `requires_groups` that its baseline compares the dialogues of a group (`group_size` >= 2).
     """
 
     requires_critic: bool = False
+    requires_groups: bool = False
 
     @abstractmethod
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult: ...

@@ -120,5 +120,27 @@ def inference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return merged_state_dict(state, config.lora_alpha / config.r)
 
 
+def inference_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full weights under the base model's names, adapters merged, as `dtype` copies, streamed.
+
+    One FSDP unit (a decoder layer) is gathered at a time, so an engine sync needs one layer's
+    memory, not the whole model's (rlver.distributed.iter_full_weights). A collective: every rank
+    must consume the whole iterator. Each tensor is a copy the caller may keep (vLLM's layer-wise
+    loader holds them until a layer is complete).
+    """
+    from rlver.distributed import iter_full_weights
+
+    inner = getattr(model, "module", model)  # DDP
+    scaling = None
+    if is_adapted(inner):
+        config = inner.peft_config[_ADAPTER]
+        scaling = config.lora_alpha / config.r
+    for chunk in iter_full_weights(model):
+        # A unit holds a layer's base weights and its adapters together, so each merges alone.
+        weights = merged_state_dict(chunk, scaling) if scaling is not None else chunk
+        for name, tensor in weights.items():
+            yield name, tensor.to(dtype=dtype, copy=True)
+
+
 def trainable_names(model: nn.Module) -> set[str]:
     return {name for name, parameter in model.named_parameters() if parameter.requires_grad}

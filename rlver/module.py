@@ -52,6 +52,7 @@ from rlver.rl.losses import (
     entropy_from_logits,
     explained_variance,
     kl_estimate,
+    loss_weight,
     masked_mean,
 )
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory, summarize
@@ -161,6 +162,9 @@ class RLVERModule(L.LightningModule):
             {rank, alpha, dropout, target_modules}. The optimizer and checkpoints hold only the
             adapter; engines sample from the merged weights; with kl_coef > 0 the reference is
             the same network with the adapter off. None: full fine-tuning.
+        low_precision_weights: Allow training full weights held in bfloat16/float16 (`dtype`, or
+            `--trainer.precision bf16-true/16-true`). Off: refused, since updates at RL learning
+            rates round away; float32 weights with bf16-mixed compute are the default way.
     """
 
     def __init__(
@@ -186,6 +190,7 @@ class RLVERModule(L.LightningModule):
         log_samples_every_n_steps: int = 10,
         curriculum: str | list[dict[str, Any]] | None = None,
         lora: LoraSettings | None = None,
+        low_precision_weights: bool = False,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -235,8 +240,25 @@ class RLVERModule(L.LightningModule):
         )
         if getattr(self.advantage_estimator, "requires_critic", False) is False and critic is not None:
             raise ValueError("--model.critic is set but the advantage estimator trains no critic")
-        if group_size < 2 and self.component_specs["advantage"] in ("grpo", {"name": "grpo"}):
-            raise ValueError(f"--model.group_size ({group_size}) must be >= 2 for GRPO")
+        if group_size < 2 and getattr(self.advantage_estimator, "requires_groups", False):
+            advantage_name, _ = split_spec(self.component_specs["advantage"], flag="--model.advantage")
+            raise ValueError(f"--model.group_size ({group_size}) must be >= 2 for {advantage_name}")
+        if self.ppo.kl_mode == "in-reward" and getattr(self.advantage_estimator, "requires_groups", False):
+            # A group whose rewards tie would be normalised on KL noise alone: +-1 advantages.
+            raise ValueError(
+                "--model.ppo.kl_mode in-reward needs a critic (advantage: gae); a group baseline "
+                "takes the KL in the loss (kl_mode: in-loss)"
+            )
+        if dtype != "float32" and lora is None and not low_precision_weights:
+            self._low_precision_refusal = (
+                f"--model.dtype {dtype}: full fine-tuning would keep the trained weights in {dtype}, "
+                "where an update at lr 1e-6 is below half a unit in the last place for most weights and "
+                "rounds away; use dtype float32 (mixed precision still computes in bf16: "
+                "--trainer.precision bf16-mixed), or set --model.low_precision_weights true to train "
+                "them anyway"
+            )
+        else:
+            self._low_precision_refusal = ""
 
         self.policy_model: torch.nn.Module | None = None
         self.value_model: ValueModel | None = None
@@ -274,7 +296,9 @@ class RLVERModule(L.LightningModule):
         self.policy_model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype)
         if self.uses_critic:
             self.value_model = ValueModel(
-                resolve_model_path(hp.critic) if hp.critic else path, dtype=weight_dtype
+                resolve_model_path(hp.critic) if hp.critic else path,
+                dtype=weight_dtype,
+                head_dtype=torch.float32 if self.lora is not None else weight_dtype,
             )
         if self.ppo.kl_coef > 0 and self.lora is None:  # with LoRA: the adapter switched off
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype).eval()
@@ -326,6 +350,8 @@ class RLVERModule(L.LightningModule):
         )
 
     def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self._check_training_precision()
         self._share_cpu_cores()
         if self._trainer is not None:
             use_rlver_checkpoint_io(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
@@ -342,6 +368,36 @@ class RLVERModule(L.LightningModule):
                 name=str(self.hparams.policy),
             )
             self.runner = self.rollout_runner(policy)
+
+    def collective_timeout_seconds(self) -> float | None:
+        """How long one rank may be kept by a dead simulator endpoint, plus 10 min (None: no bound).
+
+        The others wait that long in the step's next collective; the Trainer keeps the process
+        group's timeout above it, so the simulator gives up (a clean stop with `last.ckpt`) first.
+        """
+        stall = self.simulator.worst_case_seconds()
+        return None if stall is None else stall + 600.0
+
+    def _check_training_precision(self) -> None:
+        """Refuse numerics under which training silently learns nothing or clips wrongly."""
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        if precision == "16-mixed":
+            # Gradients are clipped (and their norm logged) before Lightning's GradScaler unscales
+            # them in its optimizer step: the clip would act on scaled gradients.
+            raise ValueError(
+                "--trainer.precision 16-mixed is not supported (rlver clips gradients before the fp16 "
+                "loss scale is removed); use bf16-mixed, or 32-true where bf16 is not native"
+            )
+        refusal = self._low_precision_refusal
+        full_weights_in_16_bits = precision in ("bf16-true", "16-true") and self.lora is None
+        if not refusal and full_weights_in_16_bits and not self.hparams.low_precision_weights:
+            refusal = (
+                f"--trainer.precision {precision}: full fine-tuning would keep the trained weights "
+                "in 16 bits, where an update at lr 1e-6 rounds away; use bf16-mixed with "
+                "--model.dtype float32, or set --model.low_precision_weights true"
+            )
+        if refusal:
+            raise ValueError(refusal)
 
     def _share_cpu_cores(self) -> None:
         """Several ranks on one CPU machine: split the cores instead of each taking them all.
@@ -475,7 +531,7 @@ class RLVERModule(L.LightningModule):
         timeline_mask = rollout_batch.timeline_mask
         token_rewards = terminal_rewards(dialogue_rewards.to(self.device), timeline_mask)
         if ref_logprobs is not None:
-            kl = kl_estimate(old_logprobs, ref_logprobs, self.ppo.kl_estimator)
+            kl = kl_estimate(old_logprobs, ref_logprobs, self.ppo.kl_estimator, mask)
             if mask.any():
                 metrics["ppo/kl"] = masked_mean(kl, mask).item()
             if self.ppo.kl_mode == "in-reward":
@@ -553,6 +609,12 @@ class RLVERModule(L.LightningModule):
         self, batch: RolloutBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Old log-probs (current policy), reference log-probs and old values, in micro-batches."""
+        with _eval_mode(self.policy_model, self.value_model):  # dropout off: the policy that sampled
+            return self._score_token_micro_batches(batch)
+
+    def _score_token_micro_batches(
+        self, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         temperature = self.rollout_settings.temperature or 1.0
         old, ref, values = [], [], []
         micro_batches = list(self._micro_batches(range(batch.num_sequences)))
@@ -615,12 +677,22 @@ class RLVERModule(L.LightningModule):
         temperature = self.rollout_settings.temperature or 1.0
         world = self.trainer.world_size if self._trainer is not None else 1
         stop = graceful_stop(self._trainer)
+        # Per-minibatch values (gradient norms) are averaged over minibatches; per-micro-batch
+        # values (losses, clip fractions) are weighted by the micro-batch's share of the loss, so
+        # they are the step's token-mean (sequence-mean) over every rank, not a mean of means.
         sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        counts: dict[str, float] = {}
+        weighted_sums: dict[str, float] = {}
+        weighted_total = [0.0]
 
         def record(name: str, value: float) -> None:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
+
+        def record_weighted(stats: Mapping[str, float], size: float) -> None:
+            for name, value in stats.items():
+                weighted_sums[name] = weighted_sums.get(name, 0.0) + value * size
+            weighted_total[0] += size
 
         count = batch.num_sequences
         most = int(self._reduce_max(count))  # sequences on the fullest rank
@@ -631,10 +703,13 @@ class RLVERModule(L.LightningModule):
         for _ in range(settings.ppo_epochs):  # a fresh shuffle per epoch, cut into minibatches
             order = torch.randperm(count, generator=generator).tolist()
             minibatches.extend(order[start * minibatch : (start + 1) * minibatch] for start in range(slots))
-        token_mean = settings.loss_aggregation == "token-mean"
+
+        def loss_size(mask: torch.Tensor) -> float:
+            return loss_weight(mask, settings.loss_aggregation)
+
         for number, rows in enumerate(minibatches):
             last = number == len(minibatches) - 1
-            local_size = float(batch.loss_mask[rows].sum()) if token_mean else float(len(rows))
+            local_size = loss_size(batch.loss_mask[rows])
             # The whole step's minibatch size, and the micro-batch count every rank runs.
             global_size = max(float(self._reduce_sum(torch.tensor(local_size, device=self.device))), 1.0)
             micro_steps = int(self._reduce_max(-(-len(rows) // settings.micro_batch_size)))
@@ -653,7 +728,7 @@ class RLVERModule(L.LightningModule):
                     batch.attention_mask[micro],
                     batch.loss_mask[micro],
                 )
-                local = float(mask.sum()) if token_mean else float(len(micro))
+                local = loss_size(mask)
                 # DDP averages gradients over ranks; the world factor turns that into a sum.
                 weight = 0.0 if empty else local / global_size * world
                 loss, stats = actor_loss(
@@ -680,12 +755,10 @@ class RLVERModule(L.LightningModule):
                     )
                     # One backward for both networks: one gradient synchronisation per micro-batch.
                     loss = loss + value_loss * weight
-                    if not empty and mask.any():
-                        record("ppo/value_loss", value_loss.item())
-                        record("ppo/value_clip_fraction", value_stats["value_clip_fraction"].item())
+                    stats["value_loss"] = value_loss.item()
+                    stats["value_clip_fraction"] = value_stats["value_clip_fraction"].item()
                 if not empty and mask.any():
-                    for name, value in stats.items():
-                        record(f"ppo/{name}", value)
+                    record_weighted(stats, local)
                 with self._gradient_sync(index == len(micro_batches) - 1):
                     self.manual_backward(loss)
             record("ppo/grad_norm", self._clip(self.policy_model))
@@ -696,11 +769,27 @@ class RLVERModule(L.LightningModule):
         for scheduler in schedulers:
             scheduler.step()
         metrics = {name: sums[name] / counts[name] for name in sums}
+        metrics.update(self._step_means(weighted_sums, weighted_total[0]))
         metrics["ppo/actor_lr"] = actor_optimizer.param_groups[0]["lr"]
         if critic_optimizer is not None:
             metrics["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
         metrics["ppo/minibatches"] = float(len(minibatches))
         return metrics
+
+    def _step_means(self, weighted_sums: Mapping[str, float], total: float) -> dict[str, float]:
+        """`ppo/<name>` means over every rank's micro-batches, weighted as the loss weighs them.
+
+        The names are the same on every rank (the actor loss reports a fixed set), but a rank with
+        nothing to learn has none: it takes part with zeros, and all ranks log the same values.
+        """
+        names = sorted(_ACTOR_STATS + (_CRITIC_STATS if self.value_model is not None else ()))
+        if self.ppo.kl_coef > 0 and self.ppo.kl_mode == "in-loss":
+            names.append("kl_loss")
+        local = torch.tensor([*(weighted_sums.get(name, 0.0) for name in names), total], dtype=torch.float64)
+        summed = self._reduce_sum(local.to(self.device)).cpu()
+        if summed[-1] <= 0:
+            return {}
+        return {f"ppo/{name}": float(summed[i] / summed[-1]) for i, name in enumerate(names)}
 
     def _optimizer_list(self) -> list[Any]:
         optimizers = self.optimizers()
@@ -763,7 +852,12 @@ class RLVERModule(L.LightningModule):
         """
         engine = getattr(self.runner, "engine", None)
         own_copy = engine is not None and type(engine).sync_weights is not RolloutEngine.sync_weights
-        if own_copy or self.policy_model is None:
+        if own_copy:
+            # Lightning runs training_step under the precision's autocast; an in-process engine
+            # (vLLM) would inherit it and compute its own float32 parts (sampler, log-probs) in bf16.
+            with _autocast_off():
+                yield
+        elif self.policy_model is None:
             yield
         else:
             with gathered_for_generation(self.policy_model):
@@ -990,6 +1084,10 @@ class RLVERModule(L.LightningModule):
             np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
 
 
+_ACTOR_STATS = ("policy_loss", "entropy", "clip_fraction", "approx_kl")
+_CRITIC_STATS = ("value_loss", "value_clip_fraction")
+
+
 def actor_loss(
     policy_model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -1009,7 +1107,9 @@ def actor_loss(
     )
     # Entropy only where the policy acted: logits at t - 1 produce token t.
     acting = mask[:, 1:].bool()
-    entropy = entropy_from_logits(logits[:, :-1][acting]).mean() if acting.any() else logits.sum() * 0
+    entropy = (
+        entropy_from_logits(logits[:, :-1][acting], temperature).mean() if acting.any() else logits.sum() * 0
+    )
     loss = policy_loss - settings.entropy_coef * entropy
     metrics = {
         "policy_loss": policy_loss.item(),
@@ -1018,10 +1118,34 @@ def actor_loss(
         "approx_kl": stats["approx_kl"].item(),
     }
     if ref_logprobs is not None and settings.kl_mode == "in-loss":
-        kl = masked_mean(kl_estimate(logprobs, ref_logprobs, settings.kl_estimator), mask)
+        kl = masked_mean(kl_estimate(logprobs, ref_logprobs, settings.kl_estimator, mask), mask)
         loss = loss + settings.kl_coef * kl
         metrics["kl_loss"] = kl.item()
     return loss, metrics
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """No autocast on any device type inside (whatever the caller's context enabled)."""
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def _eval_mode(*modules: torch.nn.Module | None) -> Iterator[None]:
+    """Dropout (a LoRA adapter's, say) off inside, each module's own mode restored after."""
+    present = [m for m in modules if m is not None]
+    modes = [m.training for m in present]
+    for module in present:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip(present, modes, strict=True):
+            module.train(mode)
 
 
 def _warmup_then_constant(warmup_steps: int):

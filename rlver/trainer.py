@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from datetime import timedelta
 from typing import Any
 
 import lightning as L
@@ -60,11 +62,53 @@ class Trainer(L.Trainer):
             self.callbacks.insert(0, ExactlyOnce())  # first: a resumed run's files drop what it replays
 
     def fit(self, *args: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model", args[0] if args else None)
+        needed = getattr(model, "collective_timeout_seconds", lambda: None)()
+        if needed is not None:
+            widen_collective_timeout(self.strategy, needed)
         # Before Lightning looks for `last.ckpt`: put back a checkpoint a kill left mid-swap.
-        # Only the launching process (rank 0); the ranks it starts find the folders settled.
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0:
+        # Only the global rank 0 (the folder is shared by every node); under Lightning's own
+        # launcher the ranks it starts find the folders settled.
+        if launcher_global_rank() == 0:
             for callback in self.callbacks:
                 if isinstance(callback, ModelCheckpoint) and callback.dirpath:
                     for path in recover_checkpoints(callback.dirpath):
                         note(f"{path}: put back (a kill interrupted the checkpoint write that replaced it)")
         return super().fit(*args, **kwargs)
+
+
+# What launchers say a process is: torchrun (RANK), SLURM, MPI; Lightning's own launcher sets only
+# LOCAL_RANK (and NODE_RANK on several nodes) in the processes it starts.
+_GLOBAL_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+_LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_LOCALID")
+
+
+def launcher_global_rank(env: dict[str, str] | None = None) -> int:
+    """This process's rank before any process group exists: 0 only for the one process of the job.
+
+    torchrun sets no NODE_RANK, SLURM neither, so LOCAL_RANK == 0 alone is true once per node.
+    """
+    env = dict(os.environ) if env is None else env
+    for name in _GLOBAL_RANK_VARIABLES:
+        if env.get(name, "").strip().isdigit():
+            return int(env[name])
+    # Lightning's launcher: not rank 0 if it is not the first process on the first node.
+    return max((int(env[n]) for n in _LOCAL_RANK_VARIABLES if env.get(n, "").strip().isdigit()), default=0)
+
+
+def widen_collective_timeout(strategy: Any, seconds: float) -> bool:
+    """Raise the process group's timeout to `seconds` if it is shorter (before the group exists).
+
+    A rank waiting on a slow simulator keeps the others waiting in the next collective; if that
+    wait outlasts the group's timeout (torch's default: 30 min) the job aborts without
+    `last.ckpt` instead of stopping cleanly when the simulator gives up.
+    """
+    current = getattr(strategy, "_timeout", None)
+    if current is None or current.total_seconds() >= seconds:
+        return False
+    strategy._timeout = timedelta(seconds=math.ceil(seconds))
+    note(
+        f"collective timeout raised from {current.total_seconds() / 60:.0f} to {seconds / 60:.0f} min: "
+        "the simulator's retries can keep one rank that long"
+    )
+    return True

@@ -207,6 +207,13 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
         # cloned: for DDP the gathered tensors are the live parameters
         "init_state": {k: v.clone() for k, v in full_state_dict(sharded, cpu_offload=True).items()},
     }
+    # the engine sync's streamed gather: every parameter once, one FSDP unit per chunk
+    from rlver.distributed import iter_full_weights
+
+    result["streamed"], result["chunk_numels"] = {}, []
+    for chunk in iter_full_weights(sharded):
+        result["streamed"].update({name: tensor.clone() for name, tensor in chunk.items()})
+        result["chunk_numels"].append(sum(tensor.numel() for tensor in chunk.values()))
     # the rollout engine's own copy (other weights), synced from the sharded parameters
     engine = _tiny_llama(1)
     engine.load_state_dict(result["init_state"], strict=True)
@@ -228,8 +235,33 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
     return result
 
 
+def _mixed_precision_worker(rank: int) -> dict[str, Any]:
+    """FSDP1 under bf16 mixed precision: Lightning's config against rlver's (float32 buffers and
+    gradient reductions), after one forward and backward."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    from rlver.distributed import fsdp1_wrap, full_precision_reductions
+
+    lightning_bf16_mixed = MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    result = {}
+    for name, config in (
+        ("lightning", lightning_bf16_mixed),
+        ("rlver", full_precision_reductions(lightning_bf16_mixed)),
+    ):
+        sharded = fsdp1_wrap(_tiny_llama(0), device="cpu", mixed_precision=config)
+        sharded(input_ids=_batch(rank), labels=_batch(rank)).loss.backward()
+        result[name] = {
+            "inv_freq": next(b for n, b in sharded.named_buffers() if n.endswith("inv_freq")).dtype,
+            "master": {p.dtype for p in sharded.parameters()},
+            "grads": {p.grad.dtype for p in sharded.parameters() if p.grad is not None},
+        }
+    return result
+
+
 def _all_flavors_worker(rank: int) -> dict[str, dict[str, Any]]:
-    return {flavor: _sharded_worker(rank, flavor) for flavor in FLAVORS}
+    results = {flavor: _sharded_worker(rank, flavor) for flavor in FLAVORS}
+    results["mixed_precision"] = _mixed_precision_worker(rank)
+    return results
 
 
 class _TinyPolicyModule:
@@ -389,6 +421,17 @@ def _check_sharded_results(results: list[dict[str, Any]], sharded: bool) -> None
         for name, tensor in expected.items():
             assert torch.equal(state[name], tensor), (rank, name)
             assert state[name].device.type == "cpu"
+        # the streamed sync: the parameters (the tied head once), at most one decoder layer or the
+        # root's own weights (embeddings, final norm) gathered at a time when sharded
+        parameters = dict(reference.named_parameters())
+        assert result["streamed"].keys() == parameters.keys(), rank
+        for name, tensor in parameters.items():
+            assert torch.equal(result["streamed"][name], tensor), (rank, name)
+        if sharded:
+            layer = sum(p.numel() for p in reference.model.layers[0].parameters())
+            root = sum(parameters[n].numel() for n in parameters if ".layers." not in n)
+            assert max(result["chunk_numels"]) == max(layer, root), rank
+            assert len(result["chunk_numels"]) == len(reference.model.layers) + 1, rank
         # engine sync: the engine's copy computes the unsharded model's logits
         assert torch.equal(result["engine_logits"], expected_logits), rank
         # generation from the gathered sharded module equals the unsharded model's, and runs no
@@ -413,6 +456,15 @@ def sharded_results(tmp_path_factory):
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_sharded_gather_sync_generation_and_clipping(flavor, sharded_results):
     _check_sharded_results([result[flavor] for result in sharded_results], sharded=flavor != "ddp")
+
+
+@pytest.mark.slow
+def test_bf16_mixed_keeps_buffers_and_gradient_reductions_in_float32(sharded_results):
+    for result in sharded_results:
+        lightning, ours = result["mixed_precision"]["lightning"], result["mixed_precision"]["rlver"]
+        assert lightning["inv_freq"] == torch.bfloat16  # what Lightning's bf16-mixed alone does
+        assert ours["inv_freq"] == torch.float32  # RoPE positions as the engine computes them
+        assert ours["master"] == {torch.float32} and ours["grads"] == {torch.float32}
 
 
 @pytest.mark.slow

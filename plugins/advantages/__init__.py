@@ -65,6 +65,7 @@ class GRPOEstimator(AdvantageEstimator):
     """
 
     requires_critic = False
+    requires_groups = True
 
     def __init__(self, scale_by_std: bool = True, eps: float = 1e-6) -> None:
         if eps < 0:

@@ -77,6 +77,17 @@ class EndpointSettings:
     requests_per_second: float | None = None
     max_failures_in_a_row: int = 8
 
+    def worst_request_seconds(self) -> float:
+        """One request's longest life: every attempt timing out, the longest backoff between them."""
+        return (self.max_retries + 1) * self.timeout + self.max_retries * self.backoff_max_seconds
+
+    def seconds_until_given_up(self) -> float | None:
+        """A dead endpoint: requests fail one after another (one dialogue per rank: in sequence)
+        until `max_failures_in_a_row` of them have; None when that limit is off (0)."""
+        if self.max_failures_in_a_row <= 0:
+            return None
+        return self.max_failures_in_a_row * self.worst_request_seconds()
+
 
 def read_api_key(api_key_env: str | None, problems: list[str]) -> str | None:
     """The key from the named environment variable (None without one); a missing one is a problem."""

@@ -478,6 +478,9 @@ class _CodeDrivenSimulator(UserSimulator):
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self._options))
 
+    def worst_case_seconds(self) -> float | None:
+        return self.client.settings.seconds_until_given_up()
+
     def __repr__(self) -> str:  # never shows the key: it lives only in the HTTP client's headers
         settings = self.client.settings
         return f"{type(self).__name__}(base_url={settings.base_url!r}, model={settings.model!r})"

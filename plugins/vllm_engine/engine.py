@@ -12,13 +12,14 @@ install it when it is chosen.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from rlver.console import is_verbose, note
 from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
+from rlver.lora import inference_weights
 from rlver.models import Policy
 from rlver.precision import resolve_dtype
 
@@ -45,7 +46,9 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: Fraction of GPU memory vLLM may take (weights + KV cache).
         tensor_parallel_size: GPUs per engine.
         enable_prefix_caching: Reuse the KV cache of shared prefixes (a dialogue's earlier turns).
-        enforce_eager: Skip graph capture (required on CPU; saves start-up time on GPU).
+        enforce_eager: Skip CUDA graph capture. None: on CPU (where it is required) only; on GPUs
+            graphs decode long thinking turns about 2x faster, and stay valid across weight syncs
+            (the reload copies into the same storages).
         max_model_len: Longest prompt + reply the engine accepts (None: the model's).
         cpu_kv_cache_gib: KV cache size on CPU machines (sets VLLM_CPU_KVCACHE_SPACE).
         sleep_between_rollouts: Free the engine's GPU memory while training runs (sleep / wake).
@@ -59,7 +62,7 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.8,
         tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = True,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         max_model_len: int | None = None,
         cpu_kv_cache_gib: int = 2,
         sleep_between_rollouts: bool = False,
@@ -76,6 +79,7 @@ class VLLMEngine(RolloutEngine):
         self.policy = policy
         self.stop_ids = policy.stop_token_ids
         self.sync_every_step = sync_every_step
+        self.tensor_parallel_size = tensor_parallel_size
         self.sleep_between_rollouts = sleep_between_rollouts and torch.cuda.is_available()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         vllm = _import_vllm()
@@ -84,32 +88,20 @@ class VLLMEngine(RolloutEngine):
         self.weight_dtype = getattr(torch, engine_dtype)
         if reason:
             note(reason)
-        options: dict[str, Any] = {
-            "model": policy.path,
-            "tokenizer": policy.path,
-            "dtype": engine_dtype,
-            "enforce_eager": enforce_eager,
-            "enable_prefix_caching": enable_prefix_caching,
-            "logprobs_mode": "processed_logprobs",
-            "seed": 0,
-            # Neutral defaults instead of the model's generation_config.json (top_k, repetition_penalty,
-            # ...): explicit SamplingParams already ignore that file in vLLM 0.32, this keeps it so.
-            "generation_config": "vllm",
-            "use_tqdm_on_load": is_verbose(),  # a progress bar for a sub-second load, and at every start
-        }
-        if max_model_len is not None:
-            options["max_model_len"] = max_model_len
-        if not torch.cuda.is_available():
-            # vLLM's CPU runner cannot rewind a seeded CPU generator after a partial (chunked)
-            # prefill ("CPU Generator does not use offset"), so prompts are prefilled whole.
-            options["enable_chunked_prefill"] = False
-        if torch.cuda.is_available():
-            options["gpu_memory_utilization"] = gpu_memory_utilization
-            options["tensor_parallel_size"] = tensor_parallel_size
-            options["enable_sleep_mode"] = self.sleep_between_rollouts
+        options = engine_options(
+            policy.path,
+            dtype=engine_dtype,
+            cuda=torch.cuda.is_available(),
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            sleep=self.sleep_between_rollouts,
+        )
         options.update(_per_rank_options(tensor_parallel_size))
         self.llm = vllm.LLM(**options)
-        self._sleeping = False
+        self._asleep: set[str] = set()  # what sleep freed and no wake has brought back yet
         self.weights_version = 0
 
     # ------------------------------------------------------------------ generation
@@ -119,7 +111,7 @@ class VLLMEngine(RolloutEngine):
 
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        self._wake()
+        self._wake(None)
         greedy = sampling.temperature == 0
         # One seed per prompt, so a prompt's sample does not depend on its neighbours in the batch.
         params = [
@@ -147,31 +139,102 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights and memory
     def sync_weights(self) -> None:
-        """Push the policy's current weights into the engine (no disk round trip)."""
+        """Push the policy's current weights into the engine (no disk round trip).
+
+        Memory is the constraint on a GPU shared with training: the engine's weights wake first
+        (their own size), the policy is gathered one FSDP unit at a time straight into them (one
+        decoder layer's worth at a time, never the full model), and only then the KV cache wakes.
+        """
         if not self.sync_every_step:
             return
-        self._wake()
+        self._wake(["weights"])
         # Handed over in the engine's own dtype: vLLM would cast each tensor itself, with a
         # warning per tensor (hundreds per sync).
-        weights = [(name, tensor.to(self.weight_dtype)) for name, tensor in _named_weights(self.policy.model)]
+        weights: Iterable[tuple[str, torch.Tensor]] = inference_weights(self.policy.model, self.weight_dtype)
+        if self.tensor_parallel_size > 1:
+            weights = list(weights)  # the function travels to worker processes: no generator there
 
         def reload(worker: Any) -> None:
-            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+            # The worker's own entry point sets vLLM's config context its loaders read on GPUs.
+            load = getattr(worker, "reload_weights", None) or worker.model_runner.reload_weights
+            load(weights_iterator=iter(weights))
 
         self.llm.collective_rpc(reload)
+        self._wake(None)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weights_version += 1
 
     def release_memory(self) -> None:
-        """Give the engine's GPU memory back to training until the next rollout."""
-        if self.sleep_between_rollouts and not self._sleeping:
-            self.llm.sleep(level=1)
-            self._sleeping = True
+        """Give the engine's GPU memory back to training until the next rollout.
 
-    def _wake(self) -> None:
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+        Level 2 drops the weights too (level 1 would keep a pinned host copy, 15 GiB for a 7B
+        model per GPU, that the next sync overwrites anyway); without a sync every step the
+        weights must survive the sleep, so level 1.
+        """
+        if self.sleep_between_rollouts and not self._asleep:
+            self.llm.sleep(level=2 if self.sync_every_step else 1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: list[str] | None) -> None:
+        """Wake `tags` (None: everything still asleep)."""
+        wanted = self._asleep if tags is None else self._asleep & set(tags)
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self._asleep -= wanted
+
+
+def engine_options(
+    path: str,
+    *,
+    dtype: str,
+    cuda: bool,
+    enforce_eager: bool | None,
+    enable_prefix_caching: bool,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    sleep: bool,
+) -> dict[str, Any]:
+    """The `vllm.LLM` arguments for one engine on a CUDA device or on the CPU."""
+    options: dict[str, Any] = {
+        "model": path,
+        "tokenizer": path,
+        "dtype": dtype,
+        # CUDA graphs stay valid across syncs: the reload copies into the captured storages.
+        "enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
+        "enable_prefix_caching": enable_prefix_caching,
+        "logprobs_mode": "processed_logprobs",
+        "seed": 0,
+        # Neutral defaults instead of the model's generation_config.json (top_k, repetition_penalty,
+        # ...): explicit SamplingParams already ignore that file in vLLM 0.32, this keeps it so.
+        "generation_config": "vllm",
+        "use_tqdm_on_load": is_verbose(),  # a progress bar for a sub-second load, and at every start
+    }
+    if max_model_len is not None:
+        options["max_model_len"] = max_model_len
+    if cuda:
+        options["gpu_memory_utilization"] = gpu_memory_utilization
+        options["tensor_parallel_size"] = tensor_parallel_size
+        options["enable_sleep_mode"] = sleep
+    else:
+        # vLLM's CPU runner cannot rewind a seeded CPU generator after a partial (chunked)
+        # prefill ("CPU Generator does not use offset"), so prompts are prefilled whole.
+        options["enable_chunked_prefill"] = False
+    return options
+
+
+def check_engine_device(launcher_local_rank: int, trainer_device: int, rank: int) -> None:
+    """vLLM's external launcher puts the engine on cuda:LOCAL_RANK: it must be the trainer's GPU.
+
+    They differ when the trainer was given a device list (`--trainer.devices [2,3]`): the engine
+    would then share a GPU it was not given.
+    """
+    if launcher_local_rank != trainer_device:
+        raise ValueError(
+            f"rank {rank}: the launcher's LOCAL_RANK ({launcher_local_rank}) is not the GPU the trainer "
+            f"uses (cuda:{trainer_device}); the vllm engine would run on the wrong GPU. Restrict the "
+            "GPUs with CUDA_VISIBLE_DEVICES and use --trainer.devices N instead of a device list"
+        )
 
 
 def _per_rank_options(tensor_parallel_size: int) -> dict[str, Any]:
@@ -194,15 +257,7 @@ def _per_rank_options(tensor_parallel_size: int) -> dict[str, Any]:
         )
     os.environ.setdefault("RANK", str(dist.get_rank()))
     local_rank = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    launcher_rank = os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if torch.cuda.is_available():
+        check_engine_device(int(launcher_rank), local_rank, dist.get_rank())
     return {"distributed_executor_backend": "external_launcher"}
-
-
-def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors under HF state-dict names, as vLLM's loaders expect.
-
-    Under FSDP the shards are gathered first (a collective: every rank syncs its engine).
-    """
-    from rlver.lora import inference_state_dict
-
-    yield from inference_state_dict(model).items()  # LoRA adapters merged in

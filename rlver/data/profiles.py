@@ -29,6 +29,16 @@ def builtin_sets() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.jsonl") if not p.stem.startswith("_"))
 
 
+# The paper recipes read the official RLVER profiles, which rlver does not ship (only a sample of
+# them was at hand when it was written): a missing one says where it comes from.
+OFFICIAL_FILES = ("train_profile.jsonl", "test_profile.jsonl")
+OFFICIAL_FILES_HINT = (
+    " (the official RLVER profiles, MIT licence: copy train_profile.jsonl and test_profile.jsonl from "
+    "the RLVER/data folder of github.com/Tencent/digitalhuman into data/rlver/, or train on "
+    "builtin:en_train with --data.train_files)"
+)
+
+
 def resolve_profile_path(source: str | Path) -> Path:
     """A path, or `builtin:<name>` for a set shipped with rlver (e.g. builtin:en_train)."""
     text = str(source)
@@ -42,7 +52,8 @@ def resolve_profile_path(source: str | Path) -> Path:
         return path
     path = Path(text).expanduser()
     if not path.is_file():
-        raise ProfileError(f"{path}: profile file not found")
+        hint = OFFICIAL_FILES_HINT if path.name in OFFICIAL_FILES else ""
+        raise ProfileError(f"{path}: profile file not found{hint}")
     return path
 
 

@@ -35,6 +35,14 @@ def aggregate(losses: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean"
     return per_sequence.mean() if per_sequence.numel() else losses.sum() * 0.0
 
 
+def loss_weight(mask: torch.Tensor, aggregation: str = "token-mean") -> float:
+    """What a micro-batch weighs in a minibatch's loss: its trained tokens (token-mean), else its
+    sequences that have any (a sequence with nothing to train is in no seq-mean)."""
+    if aggregation == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(dim=1) > 0).sum())
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -55,7 +63,7 @@ def clipped_policy_loss(
     loss = aggregate(per_token, mask, aggregation)
     with torch.no_grad():
         clip_fraction = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
-        approx_kl = masked_mean(kl_estimate(old_logprobs, logprobs, "k3"), mask)
+        approx_kl = masked_mean(kl_estimate(old_logprobs, logprobs, "k3", mask), mask)
     return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
 
 
@@ -78,13 +86,22 @@ def clipped_value_loss(
     return loss, {"value_clip_fraction": clip_fraction}
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str = "k3",
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from samples of pi.
 
     k1: log pi - log ref (unbiased, can be negative).
     k3: (ref / pi) - 1 - log(ref / pi) (unbiased, always >= 0, lower variance).
+    mask: positions to estimate at; elsewhere the estimate is 0. Needed where one side holds no
+        real log-prob there (k3's exp of a large gap is inf, and inf x 0 is NaN).
     """
     log_ratio = logprobs - ref_logprobs
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     if estimator == "k1":
         return log_ratio
     if estimator == "k3":
@@ -92,9 +109,12 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"KL estimator {estimator!r} must be one of {', '.join(KL_ESTIMATORS)}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-position entropy of softmax(logits): (B, T, V) -> (B, T)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-position entropy of softmax(logits / temperature), the distribution sampled from."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
     return -(log_probs.exp() * log_probs).sum(dim=-1)
 
 

@@ -1,0 +1,471 @@
+"""GPU memory of each phase of an RL training step, per GPU, before a job reaches a queue.
+
+`rlver plan --config FILE` prints it; `rlver fit` runs the same check on CUDA before loading any
+weights (`check_fits`). Sizes are bytes (GiB = 2**30) from the model's config.json and the recipe:
+
+Notation: P policy parameters, C critic parameters (backbone + value head), D one decoder layer,
+R the root FSDP unit of a model (everything outside the decoder layers: embeddings, final norm,
+LM head or value head: R = P - layers x D), m bytes of a master weight (`model.dtype`), c of a
+computed one (2 under bf16/16 precision, else m), e of the engine's weights (bf16 unless the
+engine's dtype is float32), N the GPUs a model is sharded over (FSDP FULL_SHARD: the world;
+HYBRID_SHARD: one node; any other strategy: 1, whole on every GPU), S `ppo.micro_batch_size`,
+L `rollout.max_context_tokens` (every micro-batch padded to it: an upper bound), V the vocabulary,
+h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the GPU's memory.
+
+- trainer resident (all the time, so also while vLLM runs): trained models (policy, and the critic
+  under `advantage: gae`) hold weights, float32-or-m gradients and AdamW's two states, all in m:
+  (P + C) x 4m / N. LoRA (`model.lora`): frozen bases (P + C) x m / N, adapters A (rank x (in + out)
+  per targeted layer, rlver.lora's targets) float32 with Adam: (A_policy + A_critic) x 16 / N.
+  `ppo.kl_coef > 0` (no LoRA) adds the frozen reference, whole on every GPU: P x m. Plus 1 GiB
+  CUDA context and allocator.
+- engine idle (asleep): vLLM colocated, one engine per rank. With `sleep_between_rollouts` it
+  sleeps at level 2 during the update (weights and KV cache freed): 1 GiB left (its allocator and
+  context); without, it keeps gpu_memory_utilization x T.
+- engine awake: gpu_memory_utilization x T (weights P x e, then activations and KV cache); the
+  KV cache must hold one whole sequence (2 x layers x k x e bytes a token, L tokens).
+- rollout: resident + engine awake. vLLM starts only with gpu_memory_utilization x T free, so the
+  resident state must fit in (1 - utilization) x T: the same inequality. Engines that sample from
+  the training module (`hf`): resident + the gathered policy P x m (when sharded) + its KV cache
+  for `data.batch_size x group_size` sequences of L tokens.
+- scoring (old log-probs and values, no grad, per micro-batch): resident + engine asleep +
+  gathered units in c: the roots of the policy and critic (FSDP1 keeps a root's parameters
+  gathered after its forward) and one decoder layer; the live hidden states of one layer
+  S x L x (2h + 3I) x c; the logits S x L x V x c, their float32 copy and the log-softmax
+  temporary (S x L x V x 4 each).
+- update (one micro-batch, at the start of the backward): resident + engine asleep + gathered
+  roots and two decoder layers in c (the one in backward and the prefetched next) + activations
+  of the policy and the critic (one backward for both): with `gradient_checkpointing` each layer's
+  input S x L x h x c per layer and model plus one recomputed layer S x L x (8h + c(6h + 3k + 4I))
+  (float32 RMSNorm inputs, q/k/v before and after RoPE, attention output, MLP gate/up/act/product),
+  without it that layer size x layers x models; the logits S x L x V x c, their float32 copy and
+  its gradient (S x L x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and
+  probabilities (S x L x V x 4 each, every position counted); the unsharded c gradients of the
+  largest unit (the policy's root) before their reduce-scatter.
+- sync (weights into the engine): resident + the engine's weights awake alone (P x e) + one unit
+  streamed: the largest unit gathered in m (summon_full_params gives master weights) and its cast
+  copy in e. Unsharded full fine-tuning streams the parameters themselves (one layer's cast copies,
+  D x e); unsharded LoRA first merges every targeted weight (x m).
+- checkpoint: resident + engine asleep; `state_dict_type: sharded` copies each rank's shard to CPU,
+  `full` gathers one unit at a time (its parameters and two Adam states: 3 x R x m).
+
+Not counted: FSDP padding, NCCL buffers, fragmentation, autocast's cached casts of unsharded
+float32 weights, CUDA graphs beyond vLLM's budget, LoRA dropout copies.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from rlver.architectures import Architecture, resolve_architecture
+
+GIB = 2**30
+CUDA_CONTEXT = 1 * GIB  # the trainer's CUDA context and caching allocator
+ENGINE_ASLEEP = 1 * GIB  # what a level-2 sleeping vLLM keeps
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_WHOLE_SHARDING = "whole"
+
+_FIX_ENGINE_SHARE = "--model.engine.gpu_memory_utilization"
+_FIX_MICRO = "--model.ppo.micro_batch_size"
+_FIX_CONTEXT = "--model.rollout.max_context_tokens"
+_FIX_GPUS = "--trainer.num_nodes / --trainer.devices"
+_FIX_SLEEP = "--model.engine.sleep_between_rollouts"
+_FIX_STATE_DICT = "--trainer.strategy.init_args.state_dict_type sharded"
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """Everything besides the architecture that memory depends on, as plain values."""
+
+    gpu_memory_gib: float
+    world_size: int
+    shard_count: int  # GPUs each model is sharded over (1: whole on every GPU)
+    master_bytes: int
+    compute_bytes: int
+    micro_batch_size: int
+    context_tokens: int
+    critic: bool
+    reference: bool
+    entropy: bool
+    gradient_checkpointing: bool
+    engine: str = "vllm"
+    engine_on_gpu: bool = True
+    gpu_memory_utilization: float = 0.8
+    sleep_between_rollouts: bool = False
+    engine_bytes: int = 2
+    engine_cpu_kv_gib: float = 2.0
+    rollout_sequences: int = 1  # sequences an engine without its own weights generates at once
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = ()
+    full_state_dict_checkpoint: bool = False
+    sharding_name: str = _WHOLE_SHARDING
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase's memory per GPU: its parts (label, bytes), and the check it must pass."""
+
+    name: str
+    parts: tuple[tuple[str, float], ...]
+    limit: float  # bytes available
+    fixes: tuple[str, ...]
+    required: float | None = None  # bytes the check compares with `limit`; None: the total
+    note: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(size for _, size in self.parts)
+
+    @property
+    def shortfall(self) -> float:
+        """Bytes over the limit (<= 0: fits)."""
+        return (self.total if self.required is None else self.required) - self.limit
+
+
+def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
+    """The phases of one training step on one GPU (see the module docstring for the model)."""
+    s = shape
+    memory = s.gpu_memory_gib * GIB
+    sharded = s.shard_count > 1
+    policy = arch.parameter_count()
+    critic = arch.critic_parameter_count() if s.critic else 0
+    layer, layers = arch.decoder_layer_parameters(), arch.num_layers
+    policy_root = policy - layers * layer
+    critic_root = critic - layers * layer if s.critic else 0
+    tokens = s.micro_batch_size * s.context_tokens
+    h, width, k = arch.hidden_size, arch.intermediate_size, arch.kv_width
+    c, m = s.compute_bytes, s.master_bytes
+    trained = "policy + critic" if s.critic else "policy"
+
+    if s.lora_rank is None:
+        resident_parts = [
+            (f"{trained} ({4 * m} B/param / {s.shard_count})", (policy + critic) * 4 * m / s.shard_count)
+        ]
+    else:
+        adapters = arch.lora_parameters(s.lora_rank, s.lora_targets) * (2 if s.critic else 1)
+        head = (h + 1) if s.critic else 0  # the critic's value head trains in full
+        resident_parts = [
+            (f"frozen {trained}", (policy + critic - head) * m / s.shard_count),
+            ("adapters + AdamW", (adapters + head) * 16 / s.shard_count),
+        ]
+    if s.reference:
+        resident_parts.append(("reference", policy * m))
+    resident_parts.append(("CUDA context", CUDA_CONTEXT))
+    resident = sum(size for _, size in resident_parts)
+    resident_fixes = (_FIX_GPUS,) if s.lora_rank is not None else (_FIX_GPUS, "--model.lora")
+    phases = [Phase("trainer resident", tuple(resident_parts), memory, resident_fixes)]
+
+    engine_weights = policy * s.engine_bytes
+    own_weights = s.engine == "vllm"  # other engines sample from the training module itself
+    if own_weights and s.engine_on_gpu:
+        awake = s.gpu_memory_utilization * memory
+        asleep = ENGINE_ASLEEP if s.sleep_between_rollouts else awake
+        one_sequence = 2 * layers * k * s.engine_bytes * s.context_tokens
+        awake_parts = (("weights", engine_weights), ("KV cache + activations", awake - engine_weights))
+        sleeping = "asleep" if s.sleep_between_rollouts else "awake (no sleep_between_rollouts)"
+        phases += [
+            Phase("engine idle (asleep)", ((f"vLLM {sleeping}", asleep),), memory, (_FIX_SLEEP,)),
+            Phase(
+                "engine awake",
+                awake_parts,
+                awake,
+                (_FIX_ENGINE_SHARE, _FIX_CONTEXT),
+                required=engine_weights + one_sequence,
+                note=f"its KV cache must hold one {s.context_tokens}-token sequence",
+            ),
+            Phase(
+                "rollout",
+                (("resident", resident), ("engine awake", awake)),
+                memory,
+                (_FIX_ENGINE_SHARE, _FIX_GPUS),
+                note=f"vLLM starts only with {awake / GIB:.1f} GiB free",
+            ),
+        ]
+    elif own_weights:  # vLLM on CPU: weights plus its fixed KV cache space, never asleep
+        asleep = awake = engine_weights + s.engine_cpu_kv_gib * GIB
+        rollout_parts = (("resident", resident), ("engine", awake))
+        phases.append(Phase("rollout", rollout_parts, memory, ("--model.engine.cpu_kv_cache_gib",)))
+    else:
+        asleep = 0.0
+        cache = s.rollout_sequences * s.context_tokens * 2 * layers * k * c
+        gathered_policy = policy * m if sharded else 0.0
+        rollout_parts = (("resident", resident), ("gathered policy", gathered_policy), ("KV cache", cache))
+        phases.append(Phase("rollout", rollout_parts, memory, ("--data.batch_size", _FIX_CONTEXT)))
+
+    base = (("resident", resident), ("engine asleep", asleep))
+    roots = (policy_root + critic_root) * c if sharded else 0.0
+    layer_gathered = layer * c if sharded else 0.0
+    logits = tokens * arch.vocab_size
+    hidden = tokens * (2 * h + 3 * width) * c
+    scoring_parts = (*base, ("gathered", roots + layer_gathered), ("hidden", hidden), ("logits", logits * 10))
+    one_layer_activations = tokens * (8 * h + c * (6 * h + 3 * k + 4 * width))
+    models = 2 if s.critic else 1
+    if s.gradient_checkpointing:
+        activations = models * layers * tokens * h * c + one_layer_activations
+    else:
+        activations = models * layers * one_layer_activations
+    logits_label = "logits+grad" + ("+entropy" if s.entropy else "")
+    update_logits = logits * (c + 4 + 4 + (8 if s.entropy else 0))
+    unsharded_grads = policy_root * c if sharded and s.lora_rank is None else 0.0
+    update_parts = (
+        *base,
+        ("gathered", roots + 2 * layer_gathered),
+        ("activations", activations),
+        (logits_label, update_logits),
+        ("unsharded grads", unsharded_grads),
+    )
+    update_fixes = [_FIX_MICRO, _FIX_CONTEXT]
+    if not s.gradient_checkpointing:
+        update_fixes.insert(1, "--model.gradient_checkpointing")
+    if asleep > ENGINE_ASLEEP:
+        update_fixes.append(_FIX_SLEEP)
+    phases += [
+        Phase("scoring", scoring_parts, memory, (_FIX_MICRO, _FIX_CONTEXT)),
+        Phase("update", update_parts, memory, tuple(update_fixes)),
+    ]
+
+    largest_unit = max(policy_root, layer)
+    if sharded:  # gathered in m (summon_full_params), cast to e; LoRA merges a copy first
+        streamed = largest_unit * (m + s.engine_bytes + (m if s.lora_rank is not None else 0))
+    elif s.lora_rank is not None:
+        streamed = arch.lora_targeted_weights(s.lora_targets) * m + layer * s.engine_bytes
+    else:
+        streamed = layer * s.engine_bytes
+    if own_weights:
+        engine_in_sync = engine_weights if s.sleep_between_rollouts or not s.engine_on_gpu else asleep
+        sync_parts = (("resident", resident), ("engine weights", engine_in_sync), ("streamed unit", streamed))
+        phases.append(Phase("sync", sync_parts, memory, (_FIX_GPUS,)))
+    full_state = 3 * largest_unit * m if s.full_state_dict_checkpoint and sharded else 0.0
+    checkpoint_parts = (*base, ("full-state unit", full_state))
+    phases.append(Phase("checkpoint", checkpoint_parts, memory, (_FIX_STATE_DICT,)))
+    return phases
+
+
+def failures(phases: list[Phase]) -> list[Phase]:
+    return [phase for phase in phases if phase.shortfall > 0]
+
+
+# ---------------------------------------------------------------------- from a recipe or a run
+def training_shape(
+    model: dict[str, Any],
+    *,
+    critic: bool,
+    gpu_memory_gib: float,
+    world_size: int,
+    devices_per_node: int,
+    sharding: str | None,
+    state_dict_type: str,
+    precision: str,
+    accelerator: str,
+    batch_size: int = 1,
+) -> TrainingShape:
+    """A TrainingShape from the model section (plain values, as `rlver fit` reads it) and the trainer's."""
+    from rlver.plugins import get_registry, split_spec
+
+    engine_name, engine_options = split_spec(model.get("engine", "hf"), flag="--model.engine")
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(
+            get_registry().get("engines", engine_name).factory
+        ).parameters.items()
+        if parameter.default is not inspect.Parameter.empty
+    }
+    engine = {**defaults, **engine_options}
+    master = _BYTES[model.get("dtype", "float32")]
+    low_precision = any(tag in str(precision) for tag in ("16", "auto"))
+    compute = 2 if low_precision else master
+    if str(precision).endswith("-true"):
+        master = compute  # Lightning converts the weights themselves
+    sharding = (sharding or _WHOLE_SHARDING).upper()
+    shard_count = {"FULL_SHARD": world_size, "HYBRID_SHARD": min(devices_per_node, world_size)}.get(
+        sharding, 1
+    )
+    ppo, rollout, lora = model.get("ppo") or {}, model.get("rollout") or {}, model.get("lora")
+    lora_targets = ()
+    if lora is not None:
+        from rlver.lora import LoraSettings
+
+        lora_targets = tuple(lora.get("target_modules") or LoraSettings().target_modules)
+    from rlver.module import PPOSettings
+    from rlver.rollout import RolloutSettings
+
+    return TrainingShape(
+        gpu_memory_gib=gpu_memory_gib,
+        world_size=world_size,
+        shard_count=shard_count,
+        master_bytes=master,
+        compute_bytes=compute,
+        micro_batch_size=int(ppo.get("micro_batch_size", PPOSettings.micro_batch_size)),
+        context_tokens=int(rollout.get("max_context_tokens", RolloutSettings.max_context_tokens)),
+        critic=critic,
+        reference=float(ppo.get("kl_coef", 0.0)) > 0 and lora is None,
+        entropy=float(ppo.get("entropy_coef", PPOSettings.entropy_coef)) > 0,
+        gradient_checkpointing=bool(model.get("gradient_checkpointing", False)),
+        engine=engine_name,
+        engine_on_gpu=accelerator != "cpu",
+        gpu_memory_utilization=float(engine.get("gpu_memory_utilization", 0.8)),
+        sleep_between_rollouts=bool(engine.get("sleep_between_rollouts", False)) and accelerator != "cpu",
+        engine_bytes=4 if engine.get("dtype") == "float32" else 2,
+        engine_cpu_kv_gib=float(engine.get("cpu_kv_cache_gib", 2)),
+        rollout_sequences=batch_size * int(model.get("group_size", 1)),
+        lora_rank=int(lora.get("rank", 16)) if lora is not None else None,
+        lora_targets=lora_targets,
+        full_state_dict_checkpoint=state_dict_type == "full",
+        sharding_name=sharding if shard_count > 1 else _WHOLE_SHARDING,
+    )
+
+
+def plan_recipe(
+    config: Any, *, gpu_memory_gib: float, world_size: int | None = None
+) -> tuple[Architecture, TrainingShape, list[Phase]]:
+    """The plan of a recipe as `rlver.cli.parse_recipe` returns it (trainer.*, model.*, data.*).
+
+    world_size: instead of the recipe's devices x num_nodes.
+    """
+    from rlver.plugins import get_registry, plain_config
+
+    trainer, model = config.trainer, plain_config(config.model)
+    accelerator = str(trainer.accelerator or "auto")
+    devices = _device_count(trainer.devices, accelerator)
+    nodes = int(trainer.num_nodes or 1)
+    world = world_size or devices * nodes
+    if world < 1:
+        raise ValueError(f"--world-size ({world}) must be >= 1")
+    strategy = trainer.strategy
+    sharding, state_dict_type = None, "none"
+    if isinstance(strategy, str) and strategy.lower().startswith("fsdp"):
+        sharding, state_dict_type = "FULL_SHARD", "full"  # Lightning's FSDPStrategy defaults
+    elif not isinstance(strategy, str) and "FSDP" in str(getattr(strategy, "class_path", "")):
+        init_args = plain_config(getattr(strategy, "init_args", None) or {})
+        chosen = init_args.get("sharding_strategy") or "FULL_SHARD"
+        sharding = getattr(chosen, "name", str(chosen))
+        state_dict_type = init_args.get("state_dict_type") or "full"
+    estimator = get_registry().build("advantages", model.get("advantage", "grpo"), flag="--model.advantage")
+    shape = training_shape(
+        model,
+        critic=bool(getattr(estimator, "requires_critic", False)),
+        gpu_memory_gib=gpu_memory_gib,
+        world_size=world,
+        devices_per_node=devices,
+        sharding=sharding,
+        state_dict_type=state_dict_type,
+        precision=str(trainer.precision or "auto"),
+        accelerator="cpu" if accelerator == "cpu" else "gpu",
+        batch_size=int(getattr(config.data, "batch_size", 1) or 1),
+    )
+    arch = resolve_architecture(str(model.get("policy")))
+    return arch, shape, plan_memory(arch, shape)
+
+
+def _device_count(devices: Any, accelerator: str) -> int:
+    """Lightning's `devices`: a count, a list or "0,1" of ids, or "auto" / -1 (every visible GPU)."""
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([part for part in devices.split(",") if part.strip()])
+    if devices in (None, "auto", -1, "-1"):
+        if accelerator == "cpu":
+            return 1
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return int(devices)
+
+
+def check_fits(module: Any, trainer: Any) -> None:
+    """Before `rlver fit` loads weights on CUDA: a ValueError naming the first phase that cannot fit.
+
+    Returns silently on CPU, outside fitting, and where the policy's config.json cannot be found
+    without downloading (the check would need what the loading is about to fetch).
+    """
+    import dataclasses
+
+    import torch
+
+    device = trainer.strategy.root_device
+    fn = getattr(trainer.state, "fn", None)
+    if device.type != "cuda" or (fn is not None and fn != "fit"):
+        return
+    try:
+        arch = resolve_architecture(str(module.hparams.policy))
+    except ValueError:
+        return
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    strategy = trainer.strategy
+    fsdp = isinstance(strategy, FSDPStrategy)
+    hparams = module.hparams
+    model = {
+        "dtype": hparams.dtype,
+        "engine": module.component_specs["engine"],
+        "ppo": dataclasses.asdict(module.ppo),
+        "rollout": dataclasses.asdict(module.rollout_settings),
+        "lora": dataclasses.asdict(module.lora) if module.lora is not None else None,
+        "gradient_checkpointing": hparams.gradient_checkpointing,
+        "group_size": hparams.group_size,
+    }
+    datamodule = getattr(trainer, "datamodule", None)
+    shape = training_shape(
+        model,
+        critic=bool(module.uses_critic),
+        gpu_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB,
+        world_size=trainer.world_size,
+        devices_per_node=max(1, trainer.world_size // max(1, trainer.num_nodes)),
+        sharding=strategy.sharding_strategy.name if fsdp else None,
+        state_dict_type=getattr(strategy, "_state_dict_type", "full") if fsdp else "none",
+        precision=str(trainer.precision),
+        accelerator="gpu",
+        batch_size=int(getattr(datamodule, "batch_size", 1) or 1),
+    )
+    raise_if_over(arch, shape)
+
+
+def raise_if_over(arch: Architecture, shape: TrainingShape) -> None:
+    """A ValueError (one line: the first phase over, by how much, the flags to change), or nothing."""
+    failed = failures(plan_memory(arch, shape))
+    if failed:
+        raise ValueError(failure_line(failed[0], shape))
+
+
+def failure_line(phase: Phase, shape: TrainingShape) -> str:
+    needed = (phase.total if phase.required is None else phase.required) / GIB
+    return (
+        f"memory: {phase.name} needs {needed:.1f} GiB per GPU but {phase.limit / GIB:.1f} are available "
+        f"({phase.shortfall / GIB:.1f} over, {shape.world_size} GPUs of {shape.gpu_memory_gib:.1f} GiB); "
+        f"change {', '.join(phase.fixes)} (`rlver plan --config FILE` shows every phase)"
+    )
+
+
+# ---------------------------------------------------------------------- the printed table
+def format_plan(arch: Architecture, shape: TrainingShape, phases: list[Phase]) -> str:
+    s = shape
+    over = {phase.name for phase in failures(phases)}
+    sharding = f"FSDP {s.sharding_name} over {s.shard_count}" if s.shard_count > 1 else "no sharding"
+    lines = [
+        f"model {arch.name} ({arch.source}): {arch.parameter_count() / 1e9:.2f} B parameters"
+        + (f", critic {arch.critic_parameter_count() / 1e9:.2f} B" if s.critic else ""),
+        f"{s.world_size} GPU(s) of {s.gpu_memory_gib:.1f} GiB, {sharding}, weights {s.master_bytes} B, "
+        f"compute {s.compute_bytes} B, engine {s.engine}"
+        + (f" ({s.gpu_memory_utilization:g} of the GPU)" if s.engine == "vllm" and s.engine_on_gpu else ""),
+        "",
+        f"{'phase':<21} {'GiB/GPU':>7} {'limit':>6}  {'fits':<9} made of (GiB)",
+    ]
+    for phase in phases:
+        verdict = f"OVER {phase.shortfall / GIB:.1f}" if phase.name in over else "yes"
+        parts = ", ".join(f"{label} {size / GIB:.1f}" for label, size in phase.parts if size)
+        note = f"; {phase.note}" if phase.note else ""
+        total, limit = phase.total / GIB, phase.limit / GIB
+        lines.append(f"{phase.name:<21} {total:>7.1f} {limit:>6.1f}  {verdict:<9} {parts}{note}")
+    lines += [
+        "",
+        "assumptions: FSDP1 FULL_SHARD / HYBRID_SHARD (other strategies: whole models on every GPU);",
+        "grads and AdamW's 2 states in the weights' dtype (LoRA adapters float32); micro-batches padded",
+        "to max_context_tokens; entropy over every position; vLLM awake takes gpu_memory_utilization x",
+        "GPU, asleep (level 2) 1 GiB; CUDA context 1 GiB; no NCCL buffers, fragmentation or FSDP",
+        "padding. The arithmetic: rlver/memory_plan.py's docstring.",
+    ]
+    for phase in phases:
+        if phase.name in over:
+            lines.append(failure_line(phase, shape))
+    return "\n".join(lines)
