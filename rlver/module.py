@@ -55,6 +55,7 @@ from rlver.rl.losses import (
     loss_weight,
     masked_mean,
 )
+from rlver.rl.metrics import WeightedMeans
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory, summarize
 from rlver.stopping import graceful_stop
 from rlver.types import Profile
@@ -682,17 +683,14 @@ class RLVERModule(L.LightningModule):
         # they are the step's token-mean (sequence-mean) over every rank, not a mean of means.
         sums: dict[str, float] = {}
         counts: dict[str, float] = {}
-        weighted_sums: dict[str, float] = {}
-        weighted_total = [0.0]
+        names = _ACTOR_STATS + (_CRITIC_STATS if self.value_model is not None else ())
+        if self.ppo.kl_coef > 0 and self.ppo.kl_mode == "in-loss":
+            names += ("kl_loss",)
+        weighted = WeightedMeans(names)
 
         def record(name: str, value: float) -> None:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
-
-        def record_weighted(stats: Mapping[str, float], size: float) -> None:
-            for name, value in stats.items():
-                weighted_sums[name] = weighted_sums.get(name, 0.0) + value * size
-            weighted_total[0] += size
 
         count = batch.num_sequences
         most = int(self._reduce_max(count))  # sequences on the fullest rank
@@ -758,7 +756,7 @@ class RLVERModule(L.LightningModule):
                     stats["value_loss"] = value_loss.item()
                     stats["value_clip_fraction"] = value_stats["value_clip_fraction"].item()
                 if not empty and mask.any():
-                    record_weighted(stats, local)
+                    weighted.add(stats, local)
                 with self._gradient_sync(index == len(micro_batches) - 1):
                     self.manual_backward(loss)
             record("ppo/grad_norm", self._clip(self.policy_model))
@@ -769,27 +767,13 @@ class RLVERModule(L.LightningModule):
         for scheduler in schedulers:
             scheduler.step()
         metrics = {name: sums[name] / counts[name] for name in sums}
-        metrics.update(self._step_means(weighted_sums, weighted_total[0]))
+        # The same names on every rank (a rank with nothing to learn adds zeros): one all-reduce.
+        metrics.update({f"ppo/{k}": v for k, v in weighted.means(self._reduce_sum, self.device).items()})
         metrics["ppo/actor_lr"] = actor_optimizer.param_groups[0]["lr"]
         if critic_optimizer is not None:
             metrics["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
         metrics["ppo/minibatches"] = float(len(minibatches))
         return metrics
-
-    def _step_means(self, weighted_sums: Mapping[str, float], total: float) -> dict[str, float]:
-        """`ppo/<name>` means over every rank's micro-batches, weighted as the loss weighs them.
-
-        The names are the same on every rank (the actor loss reports a fixed set), but a rank with
-        nothing to learn has none: it takes part with zeros, and all ranks log the same values.
-        """
-        names = sorted(_ACTOR_STATS + (_CRITIC_STATS if self.value_model is not None else ()))
-        if self.ppo.kl_coef > 0 and self.ppo.kl_mode == "in-loss":
-            names.append("kl_loss")
-        local = torch.tensor([*(weighted_sums.get(name, 0.0) for name in names), total], dtype=torch.float64)
-        summed = self._reduce_sum(local.to(self.device)).cpu()
-        if summed[-1] <= 0:
-            return {}
-        return {f"ppo/{name}": float(summed[i] / summed[-1]) for i, name in enumerate(names)}
 
     def _optimizer_list(self) -> list[Any]:
         optimizers = self.optimizers()

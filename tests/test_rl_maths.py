@@ -13,6 +13,7 @@ from rlver.rl.losses import (
     entropy_from_logits,
     explained_variance,
     kl_estimate,
+    loss_weight,
 )
 
 T = torch.tensor
@@ -112,3 +113,45 @@ def test_entropy_and_explained_variance():
     mask = T([[1, 1, 1]])
     assert explained_variance(targets, targets, mask).item() == pytest.approx(1.0)
     assert explained_variance(T([[2.0, 2.0, 2.0]]), targets, mask).item() == pytest.approx(0.0)
+
+
+def test_k3_kl_is_zero_where_the_mask_is_off_even_for_huge_gaps():
+    """Untrained positions hold no real log-prob (0 on one side): exp of the gap would be inf."""
+    logprobs = T([[-2000.0, -0.5]], requires_grad=True)
+    ref = T([[0.0, -0.7]])
+    mask = T([[0, 1]])
+    assert not torch.isfinite(kl_estimate(logprobs, ref, "k3")[0, 0])  # unmasked: inf
+    kl = kl_estimate(logprobs, ref, "k3", mask)
+    assert kl[0, 0].item() == 0 and kl[0, 1].item() == pytest.approx(math.exp(-0.2) - 1 + 0.2)
+    (kl * mask).sum().backward()
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 0].item() == 0
+
+
+def test_entropy_is_that_of_the_tempered_distribution():
+    logits = T([[2.0, 0.0]])
+    p = torch.softmax(logits / 0.5, dim=-1)
+    expected = float(-(p * p.log()).sum())
+    assert entropy_from_logits(logits, temperature=0.5).item() == pytest.approx(expected)
+    assert entropy_from_logits(logits).item() != pytest.approx(expected)
+
+
+def test_loss_weight_counts_tokens_or_sequences_that_have_any():
+    mask = T([[1, 1, 0], [0, 0, 0], [0, 1, 0]])
+    assert loss_weight(mask, "token-mean") == 3.0
+    assert loss_weight(mask, "seq-mean-token-mean") == 2.0  # the empty sequence is in no seq-mean
+    assert loss_weight(mask, "seq-mean-token-sum") == 2.0
+
+
+def test_step_statistics_are_weighted_as_the_loss_weighs_micro_batches():
+    from rlver.rl.metrics import WeightedMeans
+
+    rank0, rank1 = WeightedMeans(["policy_loss"]), WeightedMeans(["policy_loss"])
+    rank0.add({"policy_loss": 1.0}, weight=1)  # 1 token
+    rank0.add({"policy_loss": 2.0}, weight=3)  # 3 tokens
+    assert rank0.means() == {"policy_loss": 1.75}  # the token-mean; a mean of means says 1.5
+    rank1.add({"policy_loss": 4.0}, weight=4)
+    others = torch.tensor([4.0 * 4, 4.0], dtype=torch.float64)
+    assert rank0.means(lambda local: local + others) == {"policy_loss": pytest.approx(23 / 8)}
+    assert WeightedMeans(["policy_loss"]).means() == {}  # a rank with nothing to learn, alone
+    with pytest.raises(KeyError, match="not a declared statistic"):
+        rank0.add({"entropy": 1.0}, weight=1)

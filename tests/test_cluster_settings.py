@@ -1,0 +1,93 @@
+"""What a cluster run depends on before its first step: ranks, timeouts, the engine's device and options."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from rlver_plugins.sage_user.client import EndpointSettings
+from rlver_plugins.vllm_engine.engine import check_engine_device, engine_options
+
+from rlver.data.profiles import ProfileError, load_profiles
+from rlver.trainer import launcher_global_rank, widen_collective_timeout
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [
+        ({}, 0),
+        ({"LOCAL_RANK": "0"}, 0),
+        ({"LOCAL_RANK": "0", "RANK": "8"}, 8),  # torchrun, second node: no NODE_RANK
+        ({"LOCAL_RANK": "0", "SLURM_PROCID": "16"}, 16),  # SLURM
+        ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, 1),  # Lightning's launcher on a second node
+        ({"LOCAL_RANK": "3"}, 3),  # a process Lightning's launcher started
+        ({"RANK": "0", "LOCAL_RANK": "0"}, 0),
+    ],
+)
+def test_only_the_jobs_first_process_counts_as_rank_zero(env, rank):
+    assert (launcher_global_rank(env) == 0) == (rank == 0)
+    if "RANK" in env or "SLURM_PROCID" in env:
+        assert launcher_global_rank(env) == rank
+
+
+def test_the_paper_recipes_dead_endpoint_is_given_up_on_before_the_collectives_time_out():
+    """ppo_think's user: timeout 120 s, 4 retries, backoff up to 30 s, 8 failures in a row."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    settings = EndpointSettings(base_url="http://127.0.0.1:9/v1", model="m", timeout=120)
+    assert settings.worst_request_seconds() == 5 * 120 + 4 * 30
+    assert settings.seconds_until_given_up() == 8 * 720  # 96 min: past torch's 30 min default
+    assert EndpointSettings(base_url="u", model="m", max_failures_in_a_row=0).seconds_until_given_up() is None
+    strategy = DDPStrategy()
+    assert strategy._timeout == timedelta(minutes=30)
+    assert widen_collective_timeout(strategy, 8 * 720 + 600)
+    assert strategy._timeout == timedelta(seconds=8 * 720 + 600)
+    assert not widen_collective_timeout(strategy, 60)  # never shortened
+    assert strategy._timeout == timedelta(seconds=8 * 720 + 600)
+
+
+def test_the_module_asks_for_the_simulators_bound_plus_a_margin(monkeypatch):
+    from rlver.module import RLVERModule
+
+    monkeypatch.setenv("RLVER_TEST_KEY", "not-a-secret")
+    user = {
+        "name": "sage",
+        "base_url": "http://127.0.0.1:9/v1",
+        "model": "m",
+        "api_key_env": "RLVER_TEST_KEY",
+    }
+    module = RLVERModule(simulator={**user, "timeout": 120})
+    assert module.collective_timeout_seconds() == 8 * 720 + 600
+    assert RLVERModule(simulator={"name": "embedded", "judge": "rubric"}).collective_timeout_seconds() is None
+
+
+def test_cuda_graphs_are_on_by_default_on_gpus_and_off_on_cpus():
+    common = dict(
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        max_model_len=None,
+        gpu_memory_utilization=0.8,
+        tensor_parallel_size=1,
+        sleep=True,
+    )
+    gpu = engine_options("m", cuda=True, enforce_eager=None, **common)
+    cpu = engine_options("m", cuda=False, enforce_eager=None, **common)
+    assert gpu["enforce_eager"] is False and gpu["enable_sleep_mode"] is True
+    assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
+    assert "gpu_memory_utilization" not in cpu
+    assert engine_options("m", cuda=True, enforce_eager=True, **common)["enforce_eager"] is True
+
+
+def test_an_engine_on_another_gpu_than_its_rank_is_refused():
+    check_engine_device(launcher_local_rank=1, trainer_device=1, rank=1)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK \(0\) is not the GPU the trainer uses \(cuda:2\)"):
+        check_engine_device(launcher_local_rank=0, trainer_device=2, rank=0)
+
+
+def test_a_missing_official_profile_file_says_where_it_comes_from(tmp_path):
+    with pytest.raises(
+        ProfileError, match="train_profile.jsonl: profile file not found .*RLVER/data.*data/rlver/"
+    ):
+        load_profiles(tmp_path / "data" / "rlver" / "train_profile.jsonl")
+    with pytest.raises(ProfileError, match=r"mine.jsonl: profile file not found$"):
+        load_profiles(tmp_path / "mine.jsonl")
