@@ -13,9 +13,10 @@ L `rollout.max_context_tokens` (every micro-batch padded to it: an upper bound),
 h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the GPU's memory.
 
 - trainer resident (all the time, so also while vLLM runs): trained models (policy, and the critic
-  under `advantage: gae`) hold weights, float32-or-m gradients and AdamW's two states, all in m:
-  (P + C) x 4m / N. LoRA (`model.lora`): frozen bases (P + C) x m / N, adapters A (rank x (in + out)
-  per targeted layer, rlver.lora's targets) float32 with Adam: (A_policy + A_critic) x 16 / N.
+  under `advantage: gae`) hold weights, gradients and AdamW's two states, all in m (gradients
+  stay allocated between steps): (P + C) x 4m / N. LoRA (`model.lora`): frozen bases
+  (P + C) x m / N, adapters A (rank x (in + out) per targeted layer, rlver.lora's targets) and the
+  value head float32 with Adam: (A_policy + A_critic + h + 1) x 16 / N.
   `ppo.kl_coef > 0` (no LoRA) adds the frozen reference, whole on every GPU: P x m. Plus 1 GiB
   CUDA context and allocator.
 - engine idle (asleep): vLLM colocated, one engine per rank. With `sleep_between_rollouts` it
@@ -26,7 +27,8 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
 - rollout: resident + engine awake. vLLM starts only with gpu_memory_utilization x T free, so the
   resident state must fit in (1 - utilization) x T: the same inequality. Engines that sample from
   the training module (`hf`): resident + the gathered policy P x m (when sharded) + its KV cache
-  for `data.batch_size x group_size` sequences of L tokens.
+  for `data.batch_size x group_size` sequences of L tokens. vLLM on CPU (`accelerator: cpu`):
+  weights plus `cpu_kv_cache_gib`, never asleep; the sizes are then host memory.
 - scoring (old log-probs and values, no grad, per micro-batch): resident + engine asleep +
   gathered units in c: the roots of the policy and critic (FSDP1 keeps a root's parameters
   gathered after its forward) and one decoder layer; the live hidden states of one layer
@@ -50,21 +52,23 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
 
 Not counted: FSDP padding, NCCL buffers, fragmentation, autocast's cached casts of unsharded
 float32 weights, CUDA graphs beyond vLLM's budget, LoRA dropout copies.
+
+Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 80 GiB; tests/test_plan.py
+repeats it): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; rollout 7.8 + 0.8 x 80 = 71.8;
+scoring 37.5 (logits 2 x 8192 x 152064 x 10 B = 23.2); update 66.1 (logits 41.8, checkpointed
+activations 9.6, gathered 3.9); sync 28.1; checkpoint 8.8.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 from rlver.architectures import Architecture, resolve_architecture
+from rlver.training_shape import GIB, TrainingShape, shape_from_recipe, shape_from_run
 
-GIB = 2**30
 CUDA_CONTEXT = 1 * GIB  # the trainer's CUDA context and caching allocator
 ENGINE_ASLEEP = 1 * GIB  # what a level-2 sleeping vLLM keeps
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_WHOLE_SHARDING = "whole"
 
 _FIX_ENGINE_SHARE = "--model.engine.gpu_memory_utilization"
 _FIX_MICRO = "--model.ppo.micro_batch_size"
@@ -72,34 +76,6 @@ _FIX_CONTEXT = "--model.rollout.max_context_tokens"
 _FIX_GPUS = "--trainer.num_nodes / --trainer.devices"
 _FIX_SLEEP = "--model.engine.sleep_between_rollouts"
 _FIX_STATE_DICT = "--trainer.strategy.init_args.state_dict_type sharded"
-
-
-@dataclass(frozen=True)
-class TrainingShape:
-    """Everything besides the architecture that memory depends on, as plain values."""
-
-    gpu_memory_gib: float
-    world_size: int
-    shard_count: int  # GPUs each model is sharded over (1: whole on every GPU)
-    master_bytes: int
-    compute_bytes: int
-    micro_batch_size: int
-    context_tokens: int
-    critic: bool
-    reference: bool
-    entropy: bool
-    gradient_checkpointing: bool
-    engine: str = "vllm"
-    engine_on_gpu: bool = True
-    gpu_memory_utilization: float = 0.8
-    sleep_between_rollouts: bool = False
-    engine_bytes: int = 2
-    engine_cpu_kv_gib: float = 2.0
-    rollout_sequences: int = 1  # sequences an engine without its own weights generates at once
-    lora_rank: int | None = None
-    lora_targets: tuple[str, ...] = ()
-    full_state_dict_checkpoint: bool = False
-    sharding_name: str = _WHOLE_SHARDING
 
 
 @dataclass(frozen=True)
@@ -184,21 +160,26 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
         ]
     elif own_weights:  # vLLM on CPU: weights plus its fixed KV cache space, never asleep
         asleep = awake = engine_weights + s.engine_cpu_kv_gib * GIB
-        rollout_parts = (("resident", resident), ("engine", awake))
-        phases.append(Phase("rollout", rollout_parts, memory, ("--model.engine.cpu_kv_cache_gib",)))
+        cpu_parts = (("resident", resident), ("engine", awake))
+        phases.append(Phase("rollout", cpu_parts, memory, ("--model.engine.cpu_kv_cache_gib",)))
     else:
         asleep = 0.0
         cache = s.rollout_sequences * s.context_tokens * 2 * layers * k * c
         gathered_policy = policy * m if sharded else 0.0
-        rollout_parts = (("resident", resident), ("gathered policy", gathered_policy), ("KV cache", cache))
-        phases.append(Phase("rollout", rollout_parts, memory, ("--data.batch_size", _FIX_CONTEXT)))
+        own_parts = (("resident", resident), ("gathered policy", gathered_policy), ("KV cache", float(cache)))
+        phases.append(Phase("rollout", own_parts, memory, ("--data.batch_size", _FIX_CONTEXT)))
 
     base = (("resident", resident), ("engine asleep", asleep))
     roots = (policy_root + critic_root) * c if sharded else 0.0
     layer_gathered = layer * c if sharded else 0.0
     logits = tokens * arch.vocab_size
     hidden = tokens * (2 * h + 3 * width) * c
-    scoring_parts = (*base, ("gathered", roots + layer_gathered), ("hidden", hidden), ("logits", logits * 10))
+    scoring_parts = (
+        *base,
+        ("gathered", roots + layer_gathered),
+        ("hidden", hidden),
+        ("logits", logits * (c + 4 + 4)),
+    )
     one_layer_activations = tokens * (8 * h + c * (6 * h + 3 * k + 4 * width))
     models = 2 if s.critic else 1
     if s.gradient_checkpointing:
@@ -246,76 +227,6 @@ def failures(phases: list[Phase]) -> list[Phase]:
     return [phase for phase in phases if phase.shortfall > 0]
 
 
-# ---------------------------------------------------------------------- from a recipe or a run
-def training_shape(
-    model: dict[str, Any],
-    *,
-    critic: bool,
-    gpu_memory_gib: float,
-    world_size: int,
-    devices_per_node: int,
-    sharding: str | None,
-    state_dict_type: str,
-    precision: str,
-    accelerator: str,
-    batch_size: int = 1,
-) -> TrainingShape:
-    """A TrainingShape from the model section (plain values, as `rlver fit` reads it) and the trainer's."""
-    from rlver.plugins import get_registry, split_spec
-
-    engine_name, engine_options = split_spec(model.get("engine", "hf"), flag="--model.engine")
-    defaults = {
-        name: parameter.default
-        for name, parameter in inspect.signature(
-            get_registry().get("engines", engine_name).factory
-        ).parameters.items()
-        if parameter.default is not inspect.Parameter.empty
-    }
-    engine = {**defaults, **engine_options}
-    master = _BYTES[model.get("dtype", "float32")]
-    low_precision = any(tag in str(precision) for tag in ("16", "auto"))
-    compute = 2 if low_precision else master
-    if str(precision).endswith("-true"):
-        master = compute  # Lightning converts the weights themselves
-    sharding = (sharding or _WHOLE_SHARDING).upper()
-    shard_count = {"FULL_SHARD": world_size, "HYBRID_SHARD": min(devices_per_node, world_size)}.get(
-        sharding, 1
-    )
-    ppo, rollout, lora = model.get("ppo") or {}, model.get("rollout") or {}, model.get("lora")
-    lora_targets = ()
-    if lora is not None:
-        from rlver.lora import LoraSettings
-
-        lora_targets = tuple(lora.get("target_modules") or LoraSettings().target_modules)
-    from rlver.module import PPOSettings
-    from rlver.rollout import RolloutSettings
-
-    return TrainingShape(
-        gpu_memory_gib=gpu_memory_gib,
-        world_size=world_size,
-        shard_count=shard_count,
-        master_bytes=master,
-        compute_bytes=compute,
-        micro_batch_size=int(ppo.get("micro_batch_size", PPOSettings.micro_batch_size)),
-        context_tokens=int(rollout.get("max_context_tokens", RolloutSettings.max_context_tokens)),
-        critic=critic,
-        reference=float(ppo.get("kl_coef", 0.0)) > 0 and lora is None,
-        entropy=float(ppo.get("entropy_coef", PPOSettings.entropy_coef)) > 0,
-        gradient_checkpointing=bool(model.get("gradient_checkpointing", False)),
-        engine=engine_name,
-        engine_on_gpu=accelerator != "cpu",
-        gpu_memory_utilization=float(engine.get("gpu_memory_utilization", 0.8)),
-        sleep_between_rollouts=bool(engine.get("sleep_between_rollouts", False)) and accelerator != "cpu",
-        engine_bytes=4 if engine.get("dtype") == "float32" else 2,
-        engine_cpu_kv_gib=float(engine.get("cpu_kv_cache_gib", 2)),
-        rollout_sequences=batch_size * int(model.get("group_size", 1)),
-        lora_rank=int(lora.get("rank", 16)) if lora is not None else None,
-        lora_targets=lora_targets,
-        full_state_dict_checkpoint=state_dict_type == "full",
-        sharding_name=sharding if shard_count > 1 else _WHOLE_SHARDING,
-    )
-
-
 def plan_recipe(
     config: Any, *, gpu_memory_gib: float, world_size: int | None = None
 ) -> tuple[Architecture, TrainingShape, list[Phase]]:
@@ -323,54 +234,9 @@ def plan_recipe(
 
     world_size: instead of the recipe's devices x num_nodes.
     """
-    from rlver.plugins import get_registry, plain_config
-
-    trainer, model = config.trainer, plain_config(config.model)
-    accelerator = str(trainer.accelerator or "auto")
-    devices = _device_count(trainer.devices, accelerator)
-    nodes = int(trainer.num_nodes or 1)
-    world = world_size or devices * nodes
-    if world < 1:
-        raise ValueError(f"--world-size ({world}) must be >= 1")
-    strategy = trainer.strategy
-    sharding, state_dict_type = None, "none"
-    if isinstance(strategy, str) and strategy.lower().startswith("fsdp"):
-        sharding, state_dict_type = "FULL_SHARD", "full"  # Lightning's FSDPStrategy defaults
-    elif not isinstance(strategy, str) and "FSDP" in str(getattr(strategy, "class_path", "")):
-        init_args = plain_config(getattr(strategy, "init_args", None) or {})
-        chosen = init_args.get("sharding_strategy") or "FULL_SHARD"
-        sharding = getattr(chosen, "name", str(chosen))
-        state_dict_type = init_args.get("state_dict_type") or "full"
-    estimator = get_registry().build("advantages", model.get("advantage", "grpo"), flag="--model.advantage")
-    shape = training_shape(
-        model,
-        critic=bool(getattr(estimator, "requires_critic", False)),
-        gpu_memory_gib=gpu_memory_gib,
-        world_size=world,
-        devices_per_node=devices,
-        sharding=sharding,
-        state_dict_type=state_dict_type,
-        precision=str(trainer.precision or "auto"),
-        accelerator="cpu" if accelerator == "cpu" else "gpu",
-        batch_size=int(getattr(config.data, "batch_size", 1) or 1),
-    )
-    arch = resolve_architecture(str(model.get("policy")))
+    shape = shape_from_recipe(config, gpu_memory_gib=gpu_memory_gib, world_size=world_size)
+    arch = resolve_architecture(str(config.model.policy))
     return arch, shape, plan_memory(arch, shape)
-
-
-def _device_count(devices: Any, accelerator: str) -> int:
-    """Lightning's `devices`: a count, a list or "0,1" of ids, or "auto" / -1 (every visible GPU)."""
-    if isinstance(devices, list | tuple):
-        return len(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([part for part in devices.split(",") if part.strip()])
-    if devices in (None, "auto", -1, "-1"):
-        if accelerator == "cpu":
-            return 1
-        import torch
-
-        return max(1, torch.cuda.device_count())
-    return int(devices)
 
 
 def check_fits(module: Any, trainer: Any) -> None:
@@ -379,10 +245,6 @@ def check_fits(module: Any, trainer: Any) -> None:
     Returns silently on CPU, outside fitting, and where the policy's config.json cannot be found
     without downloading (the check would need what the loading is about to fetch).
     """
-    import dataclasses
-
-    import torch
-
     device = trainer.strategy.root_device
     fn = getattr(trainer.state, "fn", None)
     if device.type != "cuda" or (fn is not None and fn != "fit"):
@@ -391,34 +253,10 @@ def check_fits(module: Any, trainer: Any) -> None:
         arch = resolve_architecture(str(module.hparams.policy))
     except ValueError:
         return
-    from lightning.pytorch.strategies import FSDPStrategy
+    import torch
 
-    strategy = trainer.strategy
-    fsdp = isinstance(strategy, FSDPStrategy)
-    hparams = module.hparams
-    model = {
-        "dtype": hparams.dtype,
-        "engine": module.component_specs["engine"],
-        "ppo": dataclasses.asdict(module.ppo),
-        "rollout": dataclasses.asdict(module.rollout_settings),
-        "lora": dataclasses.asdict(module.lora) if module.lora is not None else None,
-        "gradient_checkpointing": hparams.gradient_checkpointing,
-        "group_size": hparams.group_size,
-    }
-    datamodule = getattr(trainer, "datamodule", None)
-    shape = training_shape(
-        model,
-        critic=bool(module.uses_critic),
-        gpu_memory_gib=torch.cuda.get_device_properties(device).total_memory / GIB,
-        world_size=trainer.world_size,
-        devices_per_node=max(1, trainer.world_size // max(1, trainer.num_nodes)),
-        sharding=strategy.sharding_strategy.name if fsdp else None,
-        state_dict_type=getattr(strategy, "_state_dict_type", "full") if fsdp else "none",
-        precision=str(trainer.precision),
-        accelerator="gpu",
-        batch_size=int(getattr(datamodule, "batch_size", 1) or 1),
-    )
-    raise_if_over(arch, shape)
+    memory = torch.cuda.get_device_properties(device).total_memory / GIB
+    raise_if_over(arch, shape_from_run(module, trainer, memory))
 
 
 def raise_if_over(arch: Architecture, shape: TrainingShape) -> None:
@@ -449,14 +287,14 @@ def format_plan(arch: Architecture, shape: TrainingShape, phases: list[Phase]) -
         f"compute {s.compute_bytes} B, engine {s.engine}"
         + (f" ({s.gpu_memory_utilization:g} of the GPU)" if s.engine == "vllm" and s.engine_on_gpu else ""),
         "",
-        f"{'phase':<21} {'GiB/GPU':>7} {'limit':>6}  {'fits':<9} made of (GiB)",
+        f"{'phase':<21} {'GiB/GPU':>7} {'limit':>6}  {'fits':<10} made of (GiB)",
     ]
     for phase in phases:
         verdict = f"OVER {phase.shortfall / GIB:.1f}" if phase.name in over else "yes"
         parts = ", ".join(f"{label} {size / GIB:.1f}" for label, size in phase.parts if size)
         note = f"; {phase.note}" if phase.note else ""
         total, limit = phase.total / GIB, phase.limit / GIB
-        lines.append(f"{phase.name:<21} {total:>7.1f} {limit:>6.1f}  {verdict:<9} {parts}{note}")
+        lines.append(f"{phase.name:<21} {total:>7.1f} {limit:>6.1f}  {verdict:<10} {parts}{note}")
     lines += [
         "",
         "assumptions: FSDP1 FULL_SHARD / HYBRID_SHARD (other strategies: whole models on every GPU);",
