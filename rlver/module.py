@@ -41,6 +41,7 @@ from rlver.distributed import (
 )
 from rlver.interfaces import AdvantageBatch, RolloutEngine, SimulatorUnavailable
 from rlver.lora import LoraSettings, adapter_disabled, add_adapter, trainable_names
+from rlver.memory_plan import check_fits
 from rlver.models import DTYPES, Policy, load_tokenizer, resolve_model_path
 from rlver.plugins import get_registry, plain_config, split_spec
 from rlver.rl.advantages import terminal_rewards
@@ -353,6 +354,7 @@ class RLVERModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self._check_training_precision()
+            check_fits(self, self.trainer)  # an OOM after the queue becomes one line at start (GPUs)
         self._share_cpu_cores()
         if self._trainer is not None:
             use_rlver_checkpoint_io(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
