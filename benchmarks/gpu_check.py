@@ -1,181 +1,172 @@
-"""GPU check: vLLM sleep/wake on CUDA, then 3 PPO and 3 GRPO steps through the real `rlver fit`.
+"""GPU check: the paper recipes' numerics and memory, on random models of the real architectures.
 
-On one CUDA GPU (sized for an H200, about 4-6 minutes in all):
+For two model shapes (Qwen2.5-0.5B-Instruct whole, Qwen2.5-7B-Instruct with 4 of its 28 layers:
+the real hidden size and vocabulary) and both algorithms (PPO with critic + GAE, GRPO), it runs
+one step of the real `python -m rlver.cli fit` with a config made from recipes/ppo_think.yaml and
+grpo_think.yaml, changing only the model, devices, steps, rollout lengths, data, batch size,
+checkpoint callback and simulator (the embedded user, `judge: rubric`: no network). So the step
+runs at the recipes' numerics: FSDP FULL_SHARD on one GPU, `precision: bf16-mixed` over float32
+master weights, actor lr 1e-6, critic lr 5e-6, gradient checkpointing, micro-batches of 2, and
+the `hf` engine. The weights are random, the tokenizer a word-level one built here (benchmarks/
+gpu_check_parts.py): nothing is downloaded, no model needs to be on the machine.
 
-1. vLLM alone: VLLMEngine over a Policy, greedy generation, sleep, wake, generation again,
-   a weight sync, generation a third time; each timed, with the free GPU memory around the
-   sleep, and the greedy outputs must be identical each time.
-2. `python -m rlver.cli fit` with a generated config, once with PPO (critic + GAE) and once with
-   GRPO: FSDP (FULL_SHARD) on 1 GPU, bf16-mixed, the vllm engine colocated with
-   sleep_between_rollouts (weights pushed in after every update), the embedded user (no LLM).
+A probe callback in the run (gpu_check_parts.PhaseProbe) records what the table shows:
 
-It prints one Markdown table (per run and step: generate / update / weight-sync / step seconds
-from the TensorBoard scalars the trainer logs, the peak GPU memory sampled with nvidia-smi
-during the step, rollout/logprob_gap) and the vLLM check's results, and writes them to --out.
+- changed: the fraction of the policy's trained weights (those with a nonzero gradient) that
+  the first lr 1e-6 step changed: about 1.0 with float32 masters, about 0.02 with bf16 ones;
+- inv_freq: the RoPE buffer's dtype after the step's forwards (float32: rlver keeps FSDP buffers
+  float32);
+- gap: max |engine - trainer| log-prob of the sampled tokens, per position bucket;
+- GiB per phase: peak torch.cuda.max_memory_allocated of rollout, scoring, update, sync and
+  checkpoint (reset at each phase's start), next to `rlver plan`'s prediction for the same config
+  and GPU (rlver.memory_plan), as "measured / planned".
 
-The policy: --model, else $RLVER_GPU_CHECK_MODEL, else Qwen/Qwen2.5-0.5B-Instruct if it is in
-the local Hugging Face cache, else the embedded smollm2-135m-instruct. Nothing is downloaded.
+Then, where `import vllm` works on CUDA, a vLLM check over the 0.5B folder: greedy generation,
+sleep (level 2), wake (weights, then KV cache), generation, a streamed weight sync, generation;
+outputs must be identical. Elsewhere one line says it was skipped.
 
-    .venv/bin/python benchmarks/gpu_check.py [--out gpu_check.md] [--steps 3]
-    .venv/bin/python benchmarks/gpu_check.py --dry-run            # write the configs, print the commands
-    .venv/bin/python benchmarks/gpu_check.py --device cpu --steps 1  # CPU smoke run: hf engine, 32-true
+    python3 benchmarks/gpu_check.py --out gpu_check.md   # one CUDA GPU; about 5 min on an H200 (estimate)
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --smoke   # tiny shapes, CPU, 32-true, ~35 s
 
-Exits 1 when a run fails or a check does not hold (the table still shows what was measured).
+Exits 1 when a check fails (changed < 0.9, an inv_freq not float32, a run failing); the table
+still shows what was measured. benchmarks/gpu_bundle.sh prepares the wheels a machine without
+rlver's dependencies needs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
-import threading
 import time
-from contextlib import nullcontext
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-QWEN = "Qwen/Qwen2.5-0.5B-Instruct"
-EMBEDDED = "smollm2-135m-instruct"
-MODEL_ENV = "RLVER_GPU_CHECK_MODEL"
-# TensorBoard scalar -> table column (names from RLVERModule.training_step).
-COLUMNS = {
-    "perf/generate_seconds": "generate s",
-    "perf/update_seconds": "update s",
-    "perf/weight_sync_seconds": "sync s",
-    "perf/step_seconds": "step s",
+import yaml
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+RECIPES = {"ppo": REPO / "recipes" / "ppo_think.yaml", "grpo": REPO / "recipes" / "grpo_think.yaml"}
+PHASES = ("rollout", "scoring", "update", "sync", "checkpoint")
+GAP_BUCKETS = ("0-511", "512-2047", "2048+")
+MIN_CHANGED = 0.9
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # float32 weights + AdamW's two states
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model shape: a shipped architecture with some of its sizes changed."""
+
+    label: str
+    architecture: str
+    overrides: dict = field(default_factory=dict)
+
+
+GPU_SHAPES = (
+    Shape("Qwen2.5-0.5B (24 layers)", "Qwen2.5-0.5B-Instruct"),
+    Shape("Qwen2.5-7B (4 of 28 layers)", "Qwen2.5-7B-Instruct", {"num_hidden_layers": 4}),
+)
+# Smoke shapes: the same architectures at toy sizes, a 512-word vocabulary.
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 512,
 }
-GAP = "rollout/logprob_gap"
-VLLM_PROMPTS = [
-    "I failed my driving test for the third time today and I feel like an idiot.",
-    "My best friend forgot my birthday. Am I overreacting?",
-    "Work has been crushing me and I can't sleep. Any advice?",
-    "我最近和家人吵架了，心里很难受。",
-]
+SMOKE_SHAPES = (
+    Shape("tiny Qwen2.5-0.5B-like (2 layers)", "Qwen2.5-0.5B-Instruct", {**_TINY, "num_hidden_layers": 2}),
+    Shape("tiny Qwen2.5-7B-like (1 layer)", "Qwen2.5-7B-Instruct", {**_TINY, "num_hidden_layers": 1}),
+)
 
 
 # --------------------------------------------------------------------------- configs
-def find_model(requested: str | None) -> str:
-    """The policy to train: a path or name given, a cached Qwen2.5-0.5B-Instruct, or the embedded one."""
-    if requested:
-        return requested
-    if os.environ.get(MODEL_ENV):
-        return os.environ[MODEL_ENV]
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(QWEN, local_files_only=True)
-    except Exception:  # not cached (or huggingface_hub missing): the embedded model
-        return EMBEDDED
-
-
-def run_settings(algorithm: str, device: str, steps: int) -> dict:
-    """Sizes per algorithm and device: a few dialogues per step, short replies."""
-    gpu = device == "cuda"
-    if algorithm == "ppo":
-        advantage, group_size, batch_size = "{name: gae, gamma: 1.0, lam: 1.0}", 1, 8 if gpu else 2
-    else:
-        advantage, group_size, batch_size = "grpo", 4 if gpu else 2, 2 if gpu else 1
-    return {
-        "advantage": advantage,
-        "group_size": group_size,
-        "batch_size": batch_size,
-        "max_turns": 2,
-        "max_new_tokens": 64 if gpu else 12,
-        "steps": steps,
-    }
-
-
-def write_config(folder: Path, algorithm: str, device: str, model: str, steps: int, dtype: str) -> Path:
-    """A minimal `rlver fit` config: the GPU recipe's trainer (FSDP, bf16-mixed) and vllm with
-    sleep/wake on CUDA; on CPU the test suite's (32-true, hf engine)."""
-    root = folder / algorithm
-    s = run_settings(algorithm, device, steps)
-    if device == "cuda":
-        trainer = textwrap.dedent("""\
-            accelerator: gpu
-            devices: 1
-            precision: bf16-mixed
-            strategy:
-              class_path: lightning.pytorch.strategies.FSDPStrategy
-              init_args: {sharding_strategy: FULL_SHARD, state_dict_type: sharded}""")
-        engine = (
-            "{name: vllm, gpu_memory_utilization: 0.3, sleep_between_rollouts: true, max_model_len: 4096}"
+def run_config(
+    algorithm: str, model: Path, root: Path, *, smoke: bool, checkpoint: bool, steps: int, reply_tokens: int
+) -> dict:
+    """The recipe as `rlver fit` reads it, with only what a one-GPU check must change."""
+    config = yaml.safe_load(RECIPES[algorithm].read_text())
+    trainer, model_section, data = config["trainer"], config["model"], config["data"]
+    trainer.update(devices=1, num_nodes=1, max_steps=steps, limit_val_batches=0, enable_progress_bar=False)
+    trainer["default_root_dir"] = str(root)
+    if smoke:  # FSDP on CPU (gloo) at 32-true: a smoke test of the script, not of the numerics
+        trainer.update(accelerator="cpu", precision="32-true")
+        trainer["strategy"]["class_path"] = "rlver.distributed.AnyDeviceFSDPStrategy"
+    checkpoints = []
+    if checkpoint:
+        checkpoints.append(
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {
+                    "dirpath": str(root / "checkpoints"),
+                    "save_last": True,
+                    "save_top_k": 0,
+                    "every_n_train_steps": steps,
+                },
+            }
         )
     else:
-        trainer = "accelerator: cpu\ndevices: 1\nprecision: 32-true"
-        engine = "{name: hf, batch_size: 16}"
-    text = f"""\
-seed_everything: 0
-trainer:
-{textwrap.indent(trainer, "  ")}
-  max_steps: {steps}
-  limit_val_batches: 0
-  num_sanity_val_steps: 0
-  log_every_n_steps: 1
-  enable_progress_bar: false
-  default_root_dir: {root}
-  logger:
-    class_path: lightning.pytorch.loggers.TensorBoardLogger
-    init_args: {{save_dir: {root}, name: tb, version: ""}}
-  callbacks:
-    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{dirpath: {root}/checkpoints, save_last: true, save_top_k: 0, every_n_train_steps: {steps}}}
-model:
-  policy: {json.dumps(model)}
-  dtype: {dtype}
-  engine: {engine}
-  simulator: {{name: embedded, difficulty: normal}}
-  prompt_format: {{name: nothink, language: en}}
-  advantage: {s["advantage"]}
-  group_size: {s["group_size"]}
-  rewards: [final_emotion]
-  rollout: {{max_turns: {s["max_turns"]}, max_new_tokens: {s["max_new_tokens"]}, temperature: 1.0, seed: 0}}
-  ppo: {{micro_batch_size: 4}}
-  actor_lr: 1.0e-6
-  critic_lr: 5.0e-6
-  actor_warmup_ratio: 0.0
-  critic_warmup_ratio: 0.0
-  log_samples_every_n_steps: 0
-data:
-  train_files: [builtin:en_train]
-  val_files: [builtin:en_test]
-  test_files: [builtin:en_test]
-  batch_size: {s["batch_size"]}
-"""
-    folder.mkdir(parents=True, exist_ok=True)
-    config = folder / f"{algorithm}.yaml"
-    config.write_text(text)
+        trainer["enable_checkpointing"] = False
+    probe = {"class_path": "gpu_check_parts.PhaseProbe", "init_args": {"out": str(root / "probe.json")}}
+    trainer["callbacks"] = [*checkpoints, probe]
+    model_section["policy"] = str(model)
+    model_section["engine"] = {"name": "hf", "batch_size": 16}
+    model_section["simulator"] = {"name": "embedded", "judge": "rubric"}
+    rollout = model_section["rollout"]
+    if smoke:
+        rollout.update(max_turns=2, max_new_tokens=8, max_context_tokens=128)
+    else:  # two turns of 1024 tokens: the second turn's sequence passes position 2048
+        rollout.update(max_turns=2, max_new_tokens=reply_tokens, max_context_tokens=3 * reply_tokens)
+    data["train_files"] = ["builtin:en_train"]
+    data["val_files"] = data["test_files"] = ["builtin:en_test"]
+    # PPO: 2 dialogues (4 sequences, 2 micro-batches); GRPO: one group of 4.
+    data["batch_size"] = 2 if algorithm == "ppo" else 1
     return config
 
 
-# --------------------------------------------------------------------------- running
-def child_env(device: str) -> dict[str, str]:
+def checkpoint_gib(shape_config: dict, algorithm: str) -> float:
+    """What one checkpoint of the run writes: policy (+ critic) weights and AdamW states, float32."""
+    from rlver.architectures import Architecture
+
+    arch = Architecture.from_config(shape_config, name="check", source="check")
+    parameters = arch.parameter_count() + (arch.critic_parameter_count() if algorithm == "ppo" else 0)
+    return parameters * CHECKPOINT_BYTES_PER_PARAMETER / 2**30
+
+
+# --------------------------------------------------------------------------- subprocesses
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(smoke: bool) -> dict[str, str]:
     env = dict(os.environ)
-    if device == "cpu":
-        # The smoke run: on a shared CPU, torch's spinning OpenMP threads slow generation ~8x.
-        env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH", "")]))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if smoke:  # on a shared CPU, spinning OpenMP threads slow small models several times
+        env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float, device: str) -> tuple[int | None, float]:
-    """Run `cmd` from the repo root into `log`; kill its whole process group at the timeout.
-    Returns (exit code or None on timeout, seconds)."""
+def run_logged(cmd: list[str], log: Path, timeout: float, smoke: bool) -> tuple[int | None, float]:
+    """Run `cmd` into `log`; kill its process group at the timeout. (exit code or None, seconds)."""
     started = time.perf_counter()
     with log.open("w") as handle:
         process = subprocess.Popen(
             cmd,
-            cwd=REPO,
-            env=child_env(device),
+            cwd=log.parent,
+            env=child_env(smoke),
             stdout=handle,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -189,185 +180,124 @@ def run_logged(cmd: list[str], log: Path, timeout: float, device: str) -> tuple[
     return code, time.perf_counter() - started
 
 
-def tail(path: Path, lines: int = 25) -> str:
+def tail(path: Path, lines: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
 
 
-class GpuMemorySampler:
-    """Device memory in use (MiB, all processes), sampled in a background thread with nvidia-smi."""
-
-    def __init__(self, interval: float = 0.2) -> None:
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []  # (unix time, MiB)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        self.command = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-        self.command += ["-i", visible or "0"]
-        self.available = shutil.which("nvidia-smi") is not None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> GpuMemorySampler:
-        if self.available:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(self.command, capture_output=True, text=True, timeout=5).stdout
-                self.samples.append((time.time(), float(out.strip().splitlines()[0])))
-            except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-                pass
-            self._stop.wait(self.interval)
-
-    def peak_gib(self, start: float, end: float) -> float | None:
-        window = [mib for t, mib in self.samples if start <= t <= end]
-        return max(window) / 1024 if window else None
-
-
-def read_scalars(folder: Path) -> dict[str, dict[int, tuple[float, float]]]:
-    """tag -> step -> (wall time, value) from the TensorBoard event files under `folder`."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    if not folder.exists():
-        return {}
-    accumulator = EventAccumulator(str(folder))
-    accumulator.Reload()
-    return {
-        tag: {e.step: (e.wall_time, e.value) for e in accumulator.Scalars(tag)}
-        for tag in accumulator.Tags()["scalars"]
-    }
-
-
-def fit_rows(name: str, root: Path, sampler: GpuMemorySampler | None) -> list[dict]:
-    scalars = read_scalars(root / "tb")
-    steps = sorted(scalars.get("perf/step_seconds", {}))
-    rows = []
-    for step in steps:
-        row: dict = {"run": name, "step": step}
-        for tag, column in COLUMNS.items():
-            row[column] = scalars.get(tag, {}).get(step, (None, None))[1]
-        row["logprob_gap"] = scalars.get(GAP, {}).get(step, (None, None))[1]
-        logged_at, step_seconds = scalars["perf/step_seconds"][step]
-        # The step ran during the step_seconds before its scalars were logged.
-        row["peak GPU GiB"] = (
-            sampler.peak_gib(logged_at - step_seconds - 0.5, logged_at + 0.5) if sampler else None
-        )
-        rows.append(row)
-    return rows
-
-
-def fmt(value: object, digits: int = 2) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}" if abs(value) >= 10 ** (-digits) or value == 0 else f"{value:.1e}"
-    return str(value)
-
-
-def markdown_table(rows: list[dict], header: list[str]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-    for row in rows:
-        lines.append(
-            "| "
-            + " | ".join(fmt(row.get(column), 4 if column == "logprob_gap" else 2) for column in header)
-            + " |"
-        )
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- the vLLM-only check
-def vllm_worker(model: str, device: str, out: Path) -> int:
-    """In its own process: engine start, generate, sleep, wake, generate, sync, generate."""
+def build_worker(spec: Path) -> int:
+    """In its own process (so the parent never holds a CUDA context): one random model folder."""
     import torch
-    from rlver_plugins.vllm_engine.engine import VLLMEngine
+    from gpu_check_parts import build_model_folder
 
-    from rlver.interfaces import SamplingSettings
-    from rlver.models import load_policy
-
-    cuda = device == "cuda"
-    result: dict = {"device": device, "model": model}
-
-    def free_gib() -> float | None:
-        return torch.cuda.mem_get_info()[0] / 2**30 if cuda else None
-
-    def timed(label: str, function):
-        started = time.perf_counter()
-        value = function()
-        if cuda:
-            torch.cuda.synchronize()
-        result[f"{label}_s"] = time.perf_counter() - started
-        return value
-
-    policy = load_policy(model, dtype="bfloat16" if cuda else "float32", device=device)
-    options = {"gpu_memory_utilization": 0.3, "sleep_between_rollouts": True, "max_model_len": 4096}
-    if not cuda:
-        options.update(dtype="float32", cpu_kv_cache_gib=1, max_model_len=1024)
-    engine = timed("engine_start", lambda: VLLMEngine(policy, **options))
-    result["sleep_enabled"] = engine.sleep_between_rollouts
-    tokenizer = policy.tokenizer
-    prompts = [
-        tokenizer(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            ),
-            add_special_tokens=False,
-        )["input_ids"]
-        for text in VLLM_PROMPTS
-    ]
-    greedy = SamplingSettings(max_new_tokens=48 if cuda else 16, temperature=0.0)
-
-    def ids(generations) -> list[list[int]]:
-        return [list(g.token_ids) for g in generations]
-
-    first = ids(timed("generate_1", lambda: engine.generate(prompts, greedy)))
-    result["free_gib_before_sleep"] = free_gib()
-    timed("sleep", engine.release_memory)
-    result["free_gib_asleep"] = free_gib()
-    timed("wake", engine._wake)  # what generate() and sync_weights() call first
-    result["free_gib_awake"] = free_gib()
-    second = ids(timed("generate_2", lambda: engine.generate(prompts, greedy)))
-    engine.release_memory()
-    timed("sync_weights", engine.sync_weights)  # wakes, pushes the (unchanged) policy weights
-    third = ids(timed("generate_3", lambda: engine.generate(prompts, greedy)))
-    result["tokens"] = sum(map(len, first))
-    result["identical_after_sleep"] = first == second
-    result["identical_after_sync"] = first == third
-    result["sample"] = tokenizer.decode(first[0], skip_special_tokens=True)[:120]
-    out.write_text(json.dumps(result, indent=2))
-    return 0 if result["identical_after_sleep"] and result["identical_after_sync"] else 1
+    job = json.loads(spec.read_text())
+    device = "cuda" if torch.cuda.is_available() and not job["smoke"] else "cpu"
+    build_model_folder(Path(job["folder"]), job["config"], device)
+    return 0
 
 
-def vllm_report(result: dict | None, error: str | None) -> tuple[str, bool]:
-    if result is None:
-        return f"- vLLM-only check FAILED: {error}", False
-    gib = result.get("free_gib_before_sleep"), result.get("free_gib_asleep"), result.get("free_gib_awake")
-    ok = bool(result.get("identical_after_sleep") and result.get("identical_after_sync"))
-    memory = (
-        f"free GPU memory {fmt(gib[0])} GiB awake -> {fmt(gib[1])} GiB asleep -> {fmt(gib[2])} GiB woken"
-        if gib[0] is not None
-        else "no GPU: sleep/wake are no-ops"
+# --------------------------------------------------------------------------- one run
+def plan_for(config_path: Path, gpu_memory_gib: float) -> dict[str, float]:
+    """`rlver plan`'s GiB per phase for the config, on a GPU of `gpu_memory_gib`."""
+    import warnings
+
+    from rlver.cli import parse_recipe
+    from rlver.memory_plan import plan_recipe
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        config = parse_recipe(str(config_path))
+    _, _, phases = plan_recipe(config, gpu_memory_gib=gpu_memory_gib)
+    return {phase.name: phase.total / 2**30 for phase in phases}
+
+
+def check_run(record: dict | None, code: int | None, seconds: float, log: Path) -> tuple[dict, list[str]]:
+    """The table's cells for one run, and what failed."""
+    failures: list[str] = []
+    if code != 0 or record is None or "weights" not in record:
+        why = "timed out" if code is None else f"exit {code}"
+        failures.append(f"run failed ({why} after {seconds:.0f} s; log {log}):\n\n```\n{tail(log)}\n```")
+    record = record or {}
+    weights = record.get("weights") or {}
+    denominator = weights.get("with_gradient") or weights.get("trained")
+    numerator = (
+        weights.get("changed_with_gradient") if weights.get("with_gradient") else weights.get("changed")
     )
-    lines = [
-        f"- vLLM-only check ({result['device']}, {Path(result['model']).name}): {'OK' if ok else 'FAILED'}",
-        f"  - engine start {fmt(result['engine_start_s'])} s; "
-        f"greedy generate {fmt(result['generate_1_s'])} s "
-        f"({result['tokens']} tokens, {len(VLLM_PROMPTS)} prompts); sleep {fmt(result['sleep_s'])} s; "
-        f"wake {fmt(result['wake_s'])} s; generate after wake {fmt(result['generate_2_s'])} s; "
-        f"weight sync {fmt(result['sync_weights_s'])} s; generate after sync {fmt(result['generate_3_s'])} s",
-        f"  - {memory} (sleep mode {'on' if result['sleep_enabled'] else 'off'})",
-        f"  - greedy outputs identical after sleep/wake: {result['identical_after_sleep']}; "
-        f"after a weight sync: {result['identical_after_sync']}",
+    changed = numerator / denominator if denominator else None
+    if weights and (changed is None or changed < MIN_CHANGED):
+        failures.append(f"changed {changed} < {MIN_CHANGED} of the trained weights")
+    dtypes = record.get("inv_freq_dtypes")
+    if weights and dtypes != ["torch.float32"]:
+        failures.append(f"inv_freq dtype {dtypes}, not torch.float32")
+    return {"changed": changed, "inv_freq": dtypes, "weights": weights}, failures
+
+
+# --------------------------------------------------------------------------- the table
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if value != 0 and abs(value) < 10 ** (-digits):
+        return f"{value:.1e}"
+    return f"{value:.{digits}f}"
+
+
+HEADER = [
+    "shape",
+    "algorithm",
+    "run",
+    "changed",
+    "inv_freq",
+    "longest",
+    *(f"gap {bucket}" for bucket in GAP_BUCKETS),
+    "resident GiB",
+    *(f"{phase} GiB" for phase in PHASES),
+]
+
+
+def table_row(shape: str, algorithm: str, cells: dict, record: dict, plan: dict, failed: bool) -> list[str]:
+    gaps = record.get("logprob_gap") or {}
+    phases = record.get("phases") or {}
+
+    def memory(measured: float | None, planned: float | None) -> str:
+        if measured is None and planned is None:
+            return "-"
+        return f"{fmt(measured, 1)} / {fmt(planned, 1)}"
+
+    def phase_cell(phase: str) -> str:
+        if phase == "checkpoint" and phase not in phases and record.get("checkpoint_skipped"):
+            return f"not written ({record['checkpoint_skipped']})"
+        return memory(phases.get(phase, {}).get("peak_gib"), plan.get(phase))
+
+    dtypes = cells["inv_freq"]
+    return [
+        shape,
+        algorithm.upper(),
+        "FAILED" if failed else "ok",
+        fmt(cells["changed"], 3),
+        ", ".join(d.replace("torch.", "") for d in dtypes) if dtypes else "-",
+        str(record.get("sequence_tokens", "-")),
+        *(fmt((gaps.get(bucket) or {}).get("max"), 4) for bucket in GAP_BUCKETS),
+        memory(record.get("resident_gib"), plan.get("trainer resident")),
+        *(phase_cell(phase) for phase in PHASES),
     ]
-    return "\n".join(lines), ok
+
+
+LEGEND = (
+    "changed: fraction of the policy's trained weights with a nonzero gradient that the first lr 1e-6 "
+    "step changed (>= 0.9 required). longest: tokens of the longest trained sequence. gap: max |engine - "
+    "trainer| log-prob of the sampled tokens at those positions of the sequence. GiB: peak "
+    "torch.cuda.max_memory_allocated in the phase (reset at its start) / `rlver plan`'s prediction (which "
+    "adds 1 GiB of CUDA context and pads micro-batches to max_context_tokens); resident: allocated after "
+    "the step; '-' where not measured or not planned (the hf engine has no sync)."
+)
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join(" --- " for _ in HEADER) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -377,190 +307,238 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
     )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
-        "--model",
-        default=None,
-        help=f"Policy: a local HF folder or name (default: ${MODEL_ENV}, cached {QWEN}, else {EMBEDDED}).",
-    )
-    parser.add_argument(
-        "--device",
-        choices=["cuda", "cpu"],
-        default="cuda",
-        help="cuda: the GPU check; cpu: a smoke run (hf engine, 32-true, no FSDP).",
-    )
-    parser.add_argument("--steps", type=int, default=3, help="Training steps per run (PPO and GRPO).")
-    parser.add_argument(
-        "--dtype", default=None, help="Policy weights (default: float32; bf16-mixed autocasts)."
+        "--smoke", action="store_true", help="Tiny shapes, 8-token replies, 32-true (the only way on CPU)."
     )
     parser.add_argument("--out", type=Path, default=Path("gpu_check.md"), help="Markdown report to write.")
+    parser.add_argument("--workdir", type=Path, default=None, help="Models, configs, logs (default: temp).")
+    parser.add_argument("--steps", type=int, default=1, help="Training steps per run (default 1).")
+    parser.add_argument("--runs", default="ppo,grpo", help="Comma-separated: ppo, grpo.")
     parser.add_argument(
-        "--workdir", type=Path, default=None, help="Configs, logs and runs (default: a temp dir)."
-    )
-    parser.add_argument("--runs", default="ppo,grpo", help="Comma-separated runs: ppo, grpo (default both).")
-    parser.add_argument(
-        "--vllm-check",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="The vLLM-only check (auto: on with cuda, off with cpu, where sleep/wake are no-ops).",
-    )
-    parser.add_argument(
-        "--budget",
+        "--max-checkpoint-gib",
         type=float,
-        default=None,
-        help="Seconds for all subprocesses together, each killed when it runs out (default: 450 with "
-        "cuda, 1500 with cpu).",
+        default=16.0,
+        help="Write the checkpoint (and measure it) only for runs whose weights + AdamW states are "
+        "at most this many GiB (default 16: the 0.5B runs; the 7B-shaped ones write 24 and 42).",
     )
     parser.add_argument(
-        "--dry-run", action="store_true", help="Write the configs, print the commands, run nothing."
+        "--reply-tokens",
+        type=int,
+        default=1024,
+        help="Tokens per reply, 2 turns (default 1024: the second turn's sequence passes position 2048).",
     )
+    parser.add_argument("--budget", type=float, default=None, help="Seconds for everything (default 450).")
+    parser.add_argument("--run-timeout", type=float, default=180.0, help="Seconds for one fit (default 180).")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="Runs at a time (default: 1 on CUDA, 2 in the CPU smoke run)."
+    )
+    parser.add_argument("--keep", action="store_true", help="Keep the work dir (default: removed if temp).")
     parser.add_argument("--vllm-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--build-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
+    if args.device == "cpu" and not args.smoke and args.vllm_worker is None and args.build_worker is None:
+        parser.error("--device cpu needs --smoke (the recipes' bf16-mixed numerics need a GPU)")
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    if not runs or any(r not in ("ppo", "grpo") for r in runs):
+    if not runs or any(r not in RECIPES for r in runs):
         parser.error(f"--runs ({args.runs!r}) must list ppo and/or grpo")
     args.runs = runs
+    if args.steps < 1:
+        parser.error(f"--steps ({args.steps}) must be >= 1")
+    if args.jobs is None:
+        args.jobs = 2 if args.smoke else 1
+    if args.jobs < 1 or (args.jobs > 1 and args.device == "cuda"):
+        parser.error(f"--jobs ({args.jobs}) must be 1 on CUDA (each run measures the whole GPU), >= 1 on CPU")
     if args.budget is None:
-        args.budget = 450.0 if args.device == "cuda" else 1500.0
-    args.skip_vllm_check = args.vllm_check == "off" or (args.vllm_check == "auto" and args.device == "cpu")
+        args.budget = 120.0 if args.smoke else 450.0
     return args
+
+
+@dataclass
+class Run:
+    """One `rlver fit` of the check: a shape, an algorithm, its folder and config."""
+
+    shape: Shape
+    algorithm: str
+    root: Path
+    checkpoint_gib: float
+    writes_checkpoint: bool
+    code: int | None = None
+    seconds: float = 0.0
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "fit.log"
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape.label}, {self.algorithm.upper()}"
+
+
+def build_models(args: argparse.Namespace, workdir: Path, remaining) -> tuple[list, list[str]]:
+    """(shape, its config dict, model folder) for each shape that built, and the failures."""
+    from gpu_check_parts import architecture_config
+
+    built, failures = [], []
+    for shape in SMOKE_SHAPES if args.smoke else GPU_SHAPES:
+        shape_config = architecture_config(shape.architecture, **shape.overrides)
+        folder = workdir / shape.architecture
+        spec = workdir / f"{shape.architecture}.build.json"
+        spec.write_text(json.dumps({"folder": str(folder), "config": shape_config, "smoke": args.smoke}))
+        log = workdir / f"{shape.architecture}.build.log"
+        print(f"gpu_check: building random {shape.label}", flush=True)
+        if args.smoke:  # tiny and on the CPU: no process of its own needed
+            code = build_worker(spec)
+        else:  # on the GPU, in a process of its own: this one never holds a CUDA context
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--build-worker", str(spec)]
+            code, _ = run_logged(cmd, log, remaining(), args.smoke)
+        if code == 0:
+            built.append((shape, shape_config, folder))
+        else:
+            failures.append(f"{shape.label}: building the model failed (log {log}):\n\n```\n{tail(log)}\n```")
+    return built, failures
+
+
+def prepare_runs(args: argparse.Namespace, workdir: Path, built: list) -> list[Run]:
+    runs = []
+    for shape, shape_config, folder in built:
+        for algorithm in args.runs:
+            size = checkpoint_gib(shape_config, algorithm)
+            run = Run(
+                shape,
+                algorithm,
+                workdir / f"{shape.architecture}-{algorithm}",
+                size,
+                size <= args.max_checkpoint_gib,
+            )
+            run.root.mkdir(parents=True, exist_ok=True)
+            config = run_config(
+                algorithm,
+                folder,
+                run.root,
+                smoke=args.smoke,
+                checkpoint=run.writes_checkpoint,
+                steps=args.steps,
+                reply_tokens=args.reply_tokens,
+            )
+            run.config.write_text(yaml.safe_dump(config, sort_keys=False))
+            runs.append(run)
+    return runs
+
+
+def report_run(run: Run) -> tuple[list[str], list[str], str | None]:
+    """The run's table row, its failures, and a note where it measured more than the plan."""
+    probe = run.root / "probe.json"
+    record = json.loads(probe.read_text()) if probe.exists() else None
+    cells, failed = check_run(record, run.code, run.seconds, run.log)
+    record = record or {}
+    if not run.writes_checkpoint:
+        record["checkpoint_skipped"] = f"{run.checkpoint_gib:.0f} GiB > --max-checkpoint-gib"
+    plan = plan_for(run.config, record.get("gpu_memory_gib", 80.0))
+    row = table_row(run.shape.label, run.algorithm, cells, record, plan, bool(failed))
+    measured = {phase: (record.get("phases", {}).get(phase) or {}).get("peak_gib") for phase in PHASES}
+    over = [
+        phase for phase, gib in measured.items() if gib is not None and gib > plan.get(phase, float("inf"))
+    ]
+    note = f"- {run.name}: measured above the plan in {', '.join(over)}" if over else None
+    return row, [f"{run.name}: {why}" for why in failed], note
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.build_worker is not None:
+        return build_worker(args.build_worker)
     if args.vllm_worker is not None:
-        return vllm_worker(args.model, args.device, args.vllm_worker)
+        from gpu_check_parts import vllm_worker
 
+        return vllm_worker(args.model, args.vllm_worker)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            f"gpu_check: CUDA is not available (torch {torch.__version__}); run it on a CUDA GPU, or "
+            "`--device cpu --smoke` for the CPU smoke run",
+            file=sys.stderr,
+        )
+        return 2
     started = time.perf_counter()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rlver-gpu-check-"))
-    workdir = workdir.resolve()
+    temporary = args.workdir is None
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="rlver-gpu-check-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    model = find_model(args.model)
-    if not args.dry_run:
-        import torch
-
-        if args.device == "cuda" and not torch.cuda.is_available():
-            print(
-                "gpu_check: CUDA is not available here (torch "
-                f"{torch.__version__}, CUDA build {torch.version.cuda}); run it on a CUDA GPU with a CUDA "
-                "torch and vLLM (`make setup VLLM_EXTRA=vllm`), or `--device cpu` for the CPU smoke run",
-                file=sys.stderr,
-            )
-            return 2
-        if args.device == "cuda" and importlib.util.find_spec("vllm") is None:
-            print("gpu_check: vLLM is not installed (`make setup VLLM_EXTRA=vllm`)", file=sys.stderr)
-            return 2
-        if model == EMBEDDED:  # convert the packaged GGUF once, here, not in every run
-            from rlver.models import resolve_model_path
-
-            model = resolve_model_path(model)
-    dtype = args.dtype or "float32"
-    python = sys.executable
-    vllm_cmd = [
-        python,
-        str(Path(__file__).resolve()),
-        "--vllm-worker",
-        str(workdir / "vllm_check.json"),
-        "--model",
-        model,
-        "--device",
-        args.device,
-    ]
-    fits = {}
-    for algorithm in args.runs:
-        config = write_config(workdir, algorithm, args.device, model, args.steps, dtype)
-        fits[algorithm] = [python, "-m", "rlver.cli", "fit", "--config", str(config)]
-
-    print(
-        f"gpu_check: model {model}, device {args.device}, {args.steps} step(s), work dir {workdir}",
-        flush=True,
-    )
-    if args.dry_run:
-        for algorithm in args.runs:
-            config = workdir / f"{algorithm}.yaml"
-            print(f"\n# {algorithm}: {config}\n{config.read_text()}")
-        if not args.skip_vllm_check:
-            print("(cd", REPO, "&&", " ".join(vllm_cmd) + ")")
-        for cmd in fits.values():
-            print("(cd", REPO, "&&", " ".join(cmd) + ")")
-        return 0
+    print(f"gpu_check: {args.device}{' smoke' if args.smoke else ''}, work dir {workdir}", flush=True)
 
     def remaining() -> float:
         return args.budget - (time.perf_counter() - started)
 
-    failures: list[str] = []
-    report_lines: list[str] = []
-    rows: list[dict] = []
-    sampler = GpuMemorySampler() if args.device == "cuda" else None
-    with sampler or nullcontext():
-        if args.skip_vllm_check:
-            report_lines.append("- vLLM-only check: skipped")
-        else:
-            log = workdir / "vllm_check.log"
-            print(f"gpu_check: vLLM-only check (log {log})", flush=True)
-            code, seconds = run_logged(vllm_cmd, log, min(150.0, remaining()), args.device)
-            result_file = workdir / "vllm_check.json"
-            result = json.loads(result_file.read_text()) if result_file.exists() else None
-            error = None
-            if code is None:
-                error = f"timed out after {seconds:.0f} s; log {log}:\n{tail(log)}"
-            elif result is None:
-                error = f"exit {code}; log {log}:\n{tail(log)}"
-            line, ok = vllm_report(result, error)
-            report_lines.append(line)
-            if not ok:
-                failures.append("vLLM-only check")
-        for algorithm, cmd in fits.items():
-            log = workdir / f"{algorithm}.log"
-            print(f"gpu_check: {algorithm.upper()} fit, {args.steps} step(s) (log {log})", flush=True)
-            # On a GPU a hung run (e.g. a collective that never returns) must leave time for the next.
-            cap = 240.0 if args.device == "cuda" else args.budget
-            run_started = time.time()
-            code, seconds = run_logged(cmd, log, min(cap, remaining()), args.device)
-            run_peak = sampler.peak_gib(run_started, time.time()) if sampler else None
-            got = fit_rows(algorithm.upper(), workdir / algorithm, sampler)
-            rows.extend(got)
-            status = "timed out" if code is None else f"exit {code}"
-            if code != 0 or len(got) != args.steps:
-                failures.append(f"{algorithm.upper()} fit")
-                report_lines.append(
-                    f"- {algorithm.upper()} fit FAILED ({status} after {seconds:.0f} s, "
-                    f"{len(got)}/{args.steps} steps logged); log {log}:\n\n```\n{tail(log)}\n```"
-                )
-            else:
-                report_lines.append(
-                    f"- {algorithm.upper()} fit: {args.steps} step(s), {seconds:.0f} s wall in all "
-                    f"(start-up included), peak GPU memory {fmt(run_peak)} GiB"
-                )
+    built, failures = build_models(args, workdir, remaining)
+    runs = prepare_runs(args, workdir, built)
 
-    header = ["run", "step", *COLUMNS.values(), "peak GPU GiB", "logprob_gap"]
-    setup = (
-        "FSDP FULL_SHARD, bf16-mixed, vllm with sleep/wake" if args.device == "cuda" else "hf engine, 32-true"
-    )
-    title = f"## rlver GPU check: {Path(model).name} on {args.device}, {setup}"
-    if args.device == "cuda":
-        notes = (
-            "sync s includes waking the engine (its weights back on the GPU) before the push; peak GPU "
-            "GiB is the most device memory in use (nvidia-smi, all processes) during the step; step 0 "
-            "includes first-call warm-up."
+    def fit(run: Run) -> None:
+        print(f"gpu_check: {run.name} (log {run.log})", flush=True)
+        cmd = [sys.executable, "-m", "rlver.cli", "fit", "--config", str(run.config)]
+        # A hung run (a collective that never returns) must leave time for the others.
+        run.code, run.seconds = run_logged(cmd, run.log, min(remaining(), args.run_timeout), args.smoke)
+        shutil.rmtree(run.root / "checkpoints", ignore_errors=True)  # 6 to 12 GiB each on the GPU
+
+    # On a GPU one at a time (each measures the whole device); the CPU smoke run overlaps them.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(fit, runs))
+    rows, notes = [], []
+    for run in runs:
+        row, failed, note = report_run(run)
+        rows.append(row)
+        failures += failed
+        notes += [note] if note else []
+
+    if args.smoke:
+        vllm_line, vllm_ok = "- vLLM check: skipped (smoke run: sleep/wake need a GPU)", True
+    elif built:
+        from gpu_check_parts import vllm_check
+
+        vllm_line, vllm_ok = vllm_check(built[0][2], workdir, min(180.0, remaining()), run_logged)
+    else:
+        vllm_line, vllm_ok = "- vLLM check: skipped (no model was built)", True
+    if not vllm_ok:
+        failures.append("vLLM check")
+    print(vllm_line.splitlines()[0], flush=True)
+
+    if args.smoke:
+        setup = (
+            "SMOKE RUN on CPU: tiny shapes, 8-token replies, precision 32-true (allowed in smoke mode only: "
+            "not the recipes' bf16-mixed numerics), FSDP over gloo, no GPU memory measured"
         )
     else:
-        notes = "CPU smoke run: the hf engine generates with the policy itself (no weight sync, no GPU)."
+        setup = (
+            f"{torch.cuda.get_device_name(0)}: FSDP FULL_SHARD on 1 GPU, bf16-mixed over float32 master "
+            f"weights, the hf engine, 2 turns of {args.reply_tokens} tokens, {args.steps} step(s)"
+        )
     report = "\n\n".join(
-        [
-            title,
-            markdown_table(rows, header) if rows else "(no training step was logged)",
-            notes,
-            "\n".join(report_lines),
-            f"Total {time.perf_counter() - started:.0f} s; work dir {workdir}.",
-        ]
+        filter(
+            None,
+            [
+                "## rlver GPU check",
+                setup,
+                markdown_table(rows) if rows else "(no run finished)",
+                LEGEND,
+                "\n".join(notes),
+                vllm_line,
+                "\n\n".join(f"- FAILED: {failure}" for failure in failures),
+                f"Total {time.perf_counter() - started:.0f} s.",
+            ],
+        )
     )
     print("\n" + report)
     args.out.write_text(report + "\n")
     print(f"\ngpu_check: wrote {args.out}")
+    if temporary and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
     if failures:
-        print(f"gpu_check: FAILED: {', '.join(failures)}", file=sys.stderr)
+        print(f"gpu_check: FAILED ({len(failures)} check(s))", file=sys.stderr)
         return 1
     return 0
 
