@@ -83,7 +83,7 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
         ]
         assert every <= 4, "the quickstart checkpoints often enough to lose little"
         process = launch(straight, config)
-        output, _ = process.communicate(timeout=600)
+        output, _ = process.communicate(timeout=1800)
         assert process.returncode == 0, output[-3000:]
 
         config = chaos_config(chaos, tiny_model_dir, server.url)
@@ -106,7 +106,7 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
             if kill == "random":
                 process = launch(chaos, config, *resume)
                 start = finished_steps(transcripts)
-                deadline = time.monotonic() + 300
+                deadline = time.monotonic() + 1200
                 while finished_steps(transcripts) <= start and process.poll() is None:
                     assert time.monotonic() < deadline, "no step finished"
                     time.sleep(0.05)
@@ -116,13 +116,13 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
                 process.send_signal(signal.SIGKILL)
             else:
                 process = launch(chaos, config, *resume, chaos=kill)
-            output, _ = process.communicate(timeout=600)
+            output, _ = process.communicate(timeout=1800)
             assert process.returncode == -signal.SIGKILL, (kill, output[-3000:])
             survived.append(kill)
             if checkpoint.exists():  # the previous checkpoint, never a torn one
                 read_checkpoint_state(checkpoint)
         process = launch(chaos, config, "--ckpt_path", "last")
-        output, _ = process.communicate(timeout=600)
+        output, _ = process.communicate(timeout=1800)
         assert process.returncode == 0, output[-3000:]
         assert len(survived) >= 5, survived
         print("kills survived:", survived)
@@ -176,7 +176,7 @@ def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(t
     run = tmp_path / "runs" / RECIPE
     checkpoint = run / "checkpoints" / "last.ckpt"
     process = launch(tmp_path, config, "--trainer.max_steps", "2")
-    output, _ = process.communicate(timeout=600)
+    output, _ = process.communicate(timeout=1800)
     assert process.returncode == 0, output[-3000:]
     before = checkpoint.read_bytes()
     limit = len(before) // 2  # the checkpoint cannot be written; transcripts and events still can
@@ -192,7 +192,7 @@ def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(t
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,
         preexec_fn=full_disk,
     )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
@@ -206,7 +206,7 @@ def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(t
     assert checkpoint.read_bytes() == before  # untouched, and it resumes
     assert not list(checkpoint.parent.glob(".*.tmp"))
     process = launch(tmp_path, config, "--ckpt_path", "last")
-    output, _ = process.communicate(timeout=600)
+    output, _ = process.communicate(timeout=1800)
     assert process.returncode == 0, output[-3000:]
     assert read_checkpoint_state(checkpoint)["global_step"] == 4
 
@@ -225,7 +225,7 @@ def test_the_paper_recipes_keep_the_newest_checkpoints(tmp_path, tiny_model_dir)
     config.write_text(yaml.safe_dump(twin, sort_keys=False, allow_unicode=True))
     lay_out_data(tmp_path)
     process = launch(tmp_path, config)
-    output, _ = process.communicate(timeout=600)
+    output, _ = process.communicate(timeout=1800)
     assert process.returncode == 0, output[-3000:]
     kept = sorted(p.name for p in (tmp_path / "runs" / "grpo_think" / "checkpoints").iterdir())
     assert kept == ["epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"], kept
@@ -249,7 +249,7 @@ def test_a_kill_while_writing_a_sharded_checkpoint_keeps_the_previous_one(tmp_pa
         folder = tmp_path / "runs" / "grpo_nothink" / "checkpoints"
         process = launch(tmp_path, config, chaos="checkpoint:4", group=True)
         try:
-            output, _ = process.communicate(timeout=600)
+            output, _ = process.communicate(timeout=1800)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)  # rank 1 waits for rank 0 forever otherwise
@@ -258,7 +258,7 @@ def test_a_kill_while_writing_a_sharded_checkpoint_keeps_the_previous_one(tmp_pa
         assert read_checkpoint_state(folder / "last.ckpt")["global_step"] == 2  # the previous one, whole
         process = launch(tmp_path, config, "--ckpt_path", "last", group=True)
         try:
-            output, _ = process.communicate(timeout=600)
+            output, _ = process.communicate(timeout=1800)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)

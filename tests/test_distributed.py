@@ -149,7 +149,7 @@ def _entry(rank: int, port: int, out: str, target: Any, init_group: bool, args: 
 
 
 def _run_ranks(
-    target: Any, out: Path, *args: Any, init_group: bool = True, timeout: float = 120
+    target: Any, out: Path, *args: Any, init_group: bool = True, timeout: float = 900
 ) -> list[Any]:
     """Run target(rank, *args) on 2 spawned ranks; their return values, or the test fails."""
     out.mkdir(parents=True, exist_ok=True)
@@ -452,12 +452,14 @@ def sharded_results(tmp_path_factory):
     return _run_ranks(_all_flavors_worker, tmp_path_factory.mktemp("ranks"))
 
 
+@pytest.mark.xdist_group("sharded_results")
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_sharded_gather_sync_generation_and_clipping(flavor, sharded_results):
     _check_sharded_results([result[flavor] for result in sharded_results], sharded=flavor != "ddp")
 
 
+@pytest.mark.xdist_group("sharded_results")
 @pytest.mark.slow
 def test_bf16_mixed_keeps_buffers_and_gradient_reductions_in_float32(sharded_results):
     for result in sharded_results:
@@ -478,7 +480,7 @@ def test_lightning_sharded_checkpoint_reads_back_full_weights(flavor, tmp_path):
     _tiny_llama(0).save_pretrained(folder)
     root = tmp_path / "run"
     results = _run_ranks(
-        _lightning_worker, tmp_path / "ranks", flavor, str(root), str(folder), init_group=False, timeout=150
+        _lightning_worker, tmp_path / "ranks", flavor, str(root), str(folder), init_group=False, timeout=900
     )
     assert results[0]["wrapper"] == (
         "FullyShardedDataParallel" if flavor == "fsdp1" else "FSDPLlamaForCausalLM"

@@ -17,7 +17,8 @@ from rlver.models import load_policy
 from rlver.rollout import RolloutRunner, RolloutSettings
 from tests.test_rollout import ScriptedSimulator, assert_masks_cover_exactly_the_sampled_ids, make_profile
 
-pytestmark = pytest.mark.slow
+# One worker holds the engines (module fixtures): each would otherwise start on both.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engines")]
 
 CHATS = [
     "I feel sad today.",

@@ -44,7 +44,9 @@ def transcripts(workdir, ranks=2):
 def test_thirty_percent_faulty_requests_are_counted_exactly_and_never_trained_on(tmp_path, tiny_model_dir):
     from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-    script = Script(fault_rate=0.3, fault_seed=1, timeout_delay=2.5, slow_delay=0.2)
+    # A timed-out answer comes 2.5x past the client's limit, a slow one 20x inside it: wide
+    # margins, so how fast this machine is cannot move an answer from one kind to the other.
+    script = Script(fault_rate=0.3, fault_seed=1, timeout_delay=10.0, slow_delay=0.2)
     lay_out_data(tmp_path)
     with ScriptedServer(script) as server:
         config = faulty_twin(
@@ -52,14 +54,14 @@ def test_thirty_percent_faulty_requests_are_counted_exactly_and_never_trained_on
             tiny_model_dir,
             server.url,
             steps=3,
-            timeout=1.5,
+            timeout=4.0,
             max_retries=1,
             backoff_seconds=0.05,
             backoff_max_seconds=0.1,
             max_reasks=1,
         )
         started = time.monotonic()
-        run_fit(tmp_path, "--config", config, timeout=900)
+        run_fit(tmp_path, "--config", config)
         print(f"3 steps in {time.monotonic() - started:.0f} s; served {dict(script.served)}")
 
     scalars = read_scalars(tmp_path / "runs" / RECIPE / "tensorboard")
@@ -107,14 +109,14 @@ def test_an_endpoint_that_dies_ends_the_run_with_one_error_and_a_checkpoint(tmp_
     )
     rollouts = tmp_path / "runs" / RECIPE / "tensorboard" / "rollouts" / "train_rank0.jsonl"
     process = launch(tmp_path, config)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 1200
     while not (rollouts.exists() and rollouts.read_text().strip()):
         assert process.poll() is None, process.stdout.read()[-3000:]
         assert time.monotonic() < deadline, "no step finished"
         time.sleep(0.1)
     server.__exit__(None, None, None)  # the endpoint goes away: connections are refused
     try:
-        output, _ = process.communicate(timeout=300)
+        output, _ = process.communicate(timeout=1800)
     except Exception:
         process.kill()
         raise

@@ -472,22 +472,25 @@ def _free_port():
 def vllm_user_endpoint(tmp_path_factory):
     pytest.importorskip("vllm")
     from rlver.models import resolve_model_path
+    from rlver.precision import resolve_dtype
 
     model_dir = resolve_model_path("smollm2-135m-instruct")
+    # bf16 only where it is native: emulated, it made each SAGE-sized request take minutes.
+    dtype, _ = resolve_dtype("auto", "cpu")
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", "smollm2-user",
         "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", "8192", "--dtype", "bfloat16",  # SAGE's Chinese prompts: ~5k tokens
+        "--enforce-eager", "--max-model-len", "8192", "--dtype", dtype,  # SAGE's Chinese prompts: ~5k tokens
         "--no-enable-chunked-prefill",  # vLLM 0.32 CPU: seeded requests crash after a chunked prefill
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     with log_path.open("w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 420
+    deadline = time.monotonic() + 1800  # a hang guard, not a speed requirement
     try:
         while True:
             if server.poll() is not None:
@@ -498,7 +501,7 @@ def vllm_user_endpoint(tmp_path_factory):
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not come up in 420 s:\n{log_path.read_text()[-3000:]}")
+                pytest.fail(f"vllm serve did not come up in 1800 s:\n{log_path.read_text()[-3000:]}")
             time.sleep(2)
         yield url
     finally:
@@ -509,6 +512,7 @@ def vllm_user_endpoint(tmp_path_factory):
             server.kill()
 
 
+@pytest.mark.xdist_group("vllm_user_server")
 @pytest.mark.slow
 @pytest.mark.parametrize("response_format", ["text", "json_schema"])
 def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
@@ -529,7 +533,7 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
             max_tokens: {96 if response_format == "text" else 400}
             response_format: {response_format}
             field_max_chars: 120
-            timeout: 120
+            timeout: 1800  # a hang guard, not a speed requirement
             max_retries: 1
             max_reasks: 1
           rollout: {{max_turns: 2, max_new_tokens: 24}}
@@ -617,11 +621,15 @@ def test_the_policys_thinking_never_reaches_the_user_model(policy):
 SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
 
 
+@pytest.mark.xdist_group("vllm_user_server")
 @pytest.mark.slow
 @pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
 def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vllm_user_endpoint):
-    """`rlver test` with `sage_official`: SAGE's prompts to SmolLM2 behind `vllm serve`, 3 users x 2
-    turns; the server's structured outputs hold each answer to the format SAGE's parser reads."""
+    """`rlver test` with `sage_official`: SAGE's prompts to SmolLM2 behind `vllm serve`, 2 users x 2
+    turns; the server's structured outputs hold each answer to the format SAGE's parser reads.
+
+    Sized for any CPU: the request timeout is a hang guard (30 min), never a speed requirement;
+    the work is what it must be (SAGE's ~5k-token prompts), done for 2 users."""
     root = tmp_path / "run"
     config = tmp_path / "official.yaml"
     config.write_text(
@@ -638,20 +646,20 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
             structured: true
             field_max_chars: 24
             max_tokens: 400
-            timeout: 240
+            timeout: 1800
             max_retries: 1
           prompt_format: nothink
           rollout: {{max_turns: 2, max_new_tokens: 24, max_context_tokens: 8192}}
         data:
           test_files: [builtin:sentient_test]
-          batch_size: 3
+          batch_size: 2
         """)
     )
     result = run_cli("test", "--config", config)
     assert result.returncode == 0, result.stderr[-3000:]
     records_path = next(root.rglob("sentient/*.jsonl"))
     records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
-    assert len(records) == 3
+    assert len(records) == 2
     moved = 0
     for record in records:
         spoken = [m for m in record["history"] if m["role"] == "user"]
@@ -662,7 +670,7 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
             assert after["content"]
             moved += change != 0
     assert "Score" in result.stdout
-    print(result.stdout, "emotion moved on", moved, "of 6 turns")
+    print(result.stdout, "emotion moved on", moved, "of 4 turns")
 
 
 @pytest.mark.parametrize("language", ["en", "zh"])
