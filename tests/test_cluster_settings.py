@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import torch
 from rlver_plugins.sage_user.client import EndpointSettings
 from rlver_plugins.vllm_engine.engine import check_engine_device, engine_options
 
@@ -91,3 +92,57 @@ def test_a_missing_official_profile_file_says_where_it_comes_from(tmp_path):
         load_profiles(tmp_path / "data" / "rlver" / "train_profile.jsonl")
     with pytest.raises(ProfileError, match=r"mine.jsonl: profile file not found$"):
         load_profiles(tmp_path / "mine.jsonl")
+
+
+def test_a_gpu_weight_sync_wakes_the_weights_streams_them_then_wakes_the_kv_cache(tiny_model_dir):
+    """The order of sleep and wake calls around a sync, which only CUDA builds of vLLM carry out
+    (on CPU sleep mode is off): a recording stand-in for `vllm.LLM`, the real policy and gather."""
+    from rlver_plugins.vllm_engine.engine import VLLMEngine
+    from transformers import AutoModelForCausalLM
+
+    from rlver.models import Policy
+
+    calls = []
+
+    class Worker:
+        def reload_weights(self, weights_iterator):  # the worker's own entry point (config context)
+            names = [name for name, _ in weights_iterator]
+            calls.append(("reload", len(names)))
+
+    class RecordingLLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags):
+            calls.append(("wake_up", tags))
+
+        def collective_rpc(self, function):
+            function(Worker())
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = object.__new__(VLLMEngine)
+    engine.policy = Policy(model=model, tokenizer=None, path=str(tiny_model_dir), name="tiny")
+    engine.llm, engine.weight_dtype, engine.tensor_parallel_size = RecordingLLM(), torch.bfloat16, 1
+    engine.sync_every_step, engine.sleep_between_rollouts, engine._asleep, engine.weights_version = (
+        True,
+        True,
+        set(),
+        0,
+    )
+    engine.release_memory()
+    engine.sync_weights()
+    parameters = len(dict(model.named_parameters()))
+    assert calls == [
+        ("sleep", 2),  # weights and KV cache dropped: the sync rewrites the weights anyway
+        ("wake_up", ["weights"]),
+        ("reload", parameters),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
+    calls.clear()
+    engine.sync_every_step = False  # weights must survive the sleep: level 1
+    engine.release_memory()
+    assert calls == [("sleep", 1)]
