@@ -33,17 +33,17 @@ quickstart: setup
 		$(VENV)/bin/rlver fit --config recipes/quickstart.yaml --model.engine hf; \
 	fi
 
-# Two workers (pytest-xdist): most of a slow test's time is one thread importing torch, starting
-# an engine or waiting on a subprocess, so two overlap well on two cores. Tests that share an
-# expensive fixture (a vLLM server, an engine) stay on one worker (xdist_group). The 25 slowest
-# tests are printed at the end.
+# Two workers (pytest-xdist): much of a slow test's time is one thread importing torch, starting
+# an engine or waiting on a subprocess, so two overlap well on two cores. A file's tests stay on
+# one worker (--dist loadfile), so a module fixture (a vLLM server, the engines) is built once.
+# The 25 slowest tests are printed at the end.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # Unit and contract tests only (no model loading).
 test-fast: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # Build the wheel, install it into a scratch venv, import every module from it (also a slow test).
 wheel-check: setup

@@ -73,3 +73,12 @@ def make_tiny_model(folder):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def server():
+    """The scripted OpenAI-compatible user on 127.0.0.1 (recorded answers, real sockets)."""
+    from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
+
+    with ScriptedServer(Script()) as running:
+        yield running

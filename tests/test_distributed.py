@@ -452,14 +452,12 @@ def sharded_results(tmp_path_factory):
     return _run_ranks(_all_flavors_worker, tmp_path_factory.mktemp("ranks"))
 
 
-@pytest.mark.xdist_group("sharded_results")
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_sharded_gather_sync_generation_and_clipping(flavor, sharded_results):
     _check_sharded_results([result[flavor] for result in sharded_results], sharded=flavor != "ddp")
 
 
-@pytest.mark.xdist_group("sharded_results")
 @pytest.mark.slow
 def test_bf16_mixed_keeps_buffers_and_gradient_reductions_in_float32(sharded_results):
     for result in sharded_results:

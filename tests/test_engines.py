@@ -17,8 +17,7 @@ from rlver.models import load_policy
 from rlver.rollout import RolloutRunner, RolloutSettings
 from tests.test_rollout import ScriptedSimulator, assert_masks_cover_exactly_the_sampled_ids, make_profile
 
-# One worker holds the engines (module fixtures): each would otherwise start on both.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engines")]
+pytestmark = pytest.mark.slow
 
 CHATS = [
     "I feel sad today.",

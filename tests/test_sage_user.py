@@ -512,7 +512,6 @@ def vllm_user_endpoint(tmp_path_factory):
             server.kill()
 
 
-@pytest.mark.xdist_group("vllm_user_server")
 @pytest.mark.slow
 @pytest.mark.parametrize("response_format", ["text", "json_schema"])
 def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
@@ -621,7 +620,6 @@ def test_the_policys_thinking_never_reaches_the_user_model(policy):
 SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
 
 
-@pytest.mark.xdist_group("vllm_user_server")
 @pytest.mark.slow
 @pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
 def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vllm_user_endpoint):
