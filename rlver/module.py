@@ -27,18 +27,13 @@ import numpy as np
 import torch
 
 from rlver.batch import RolloutBatch, build_batch, placeholder_batch, token_logprobs
+from rlver.checkpoint_io import use_rlver_checkpoint_io, writes_sharded_checkpoints
 from rlver.console import phase
 from rlver.critic import ValueModel
 from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
-from rlver.distributed import (
-    clean_name,
-    clip_grad_norm,
-    gathered_for_generation,
-    is_sharded,
-    shard_for_strategy,
-    use_rlver_checkpoint_io,
-    writes_sharded_checkpoints,
-)
+from rlver.distributed import clean_name, is_sharded, shard_for_strategy
+from rlver.full_weights import gathered_for_generation
+from rlver.grad_clip import clip_grad_norm
 from rlver.interfaces import AdvantageBatch, RolloutEngine, SimulatorUnavailable
 from rlver.lora import LoraSettings, adapter_disabled, add_adapter, trainable_names
 from rlver.memory_plan import check_fits

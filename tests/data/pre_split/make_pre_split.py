@@ -1,11 +1,16 @@
 """Made tests/data/pre_split/ (run with PYTHONPATH=<repo>): a 2-step `rlver fit` of the quickstart twin."""
-import shutil, sys, tempfile
+
+import shutil
+import sys
+import tempfile
 from pathlib import Path
-import torch, yaml
+
+import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
-from tests.test_multiprocess import twin_config, run_fit  # noqa: E402
+from tests.test_multiprocess import run_fit, twin_config  # noqa: E402
 from tests.test_pre_split_resume import make_small_model  # noqa: E402
 
 work = Path(tempfile.mkdtemp(prefix="pre_split_"))
