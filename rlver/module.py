@@ -22,16 +22,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from rlver import ranks
+from rlver import checkpoint_state, ranks
 from rlver.batch import RolloutBatch
 from rlver.checkpoint_io import use_rlver_checkpoint_io, writes_sharded_checkpoints
-from rlver.checkpoint_state import (
-    RNG_KEY,
-    add_lora_settings,
-    drop_frozen_weights,
-    restore_rng_state,
-    rng_state,
-)
 from rlver.components import ComponentSpec, build_components, checked_settings
 from rlver.console import phase
 from rlver.critic import ValueModel
@@ -49,7 +42,7 @@ from rlver.networks import (
     weights_for_generation,
 )
 from rlver.plugins import get_registry
-from rlver.ppo_update import Lockstep, PPOSettings, actor_loss, ppo_update
+from rlver.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory
 from rlver.run_log import (
     append_transcripts,
@@ -61,7 +54,7 @@ from rlver.run_log import (
     simulator_errors,
 )
 from rlver.scoring import score_dialogues, score_tokens, token_advantages, training_batch
-from rlver.stopping import graceful_stop
+from rlver.stopping import run_unless_stopped
 from rlver.types import Profile
 
 __all__ = ["PPOSettings", "RLVERModule", "actor_loss", "merge_rank_metrics"]  # the last three: re-exported
@@ -321,35 +314,20 @@ class RLVERModule(L.LightningModule):
         get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
         self._log_samples(trajectories, step)
 
-    def _roll_out(
-        self, dialogues: list[Profile], step: int, seconds: dict[str, float]
-    ) -> list[Trajectory] | None:
+    def _roll_out(self, dialogues: list[Profile], step: int, seconds: dict) -> list[Trajectory] | None:
         """The step's dialogues; None when a stop (a signal, a simulator gone) drops the step."""
-        stop = graceful_stop(self._trainer)
         started = time.perf_counter()
-        try:
+        seed = self.rollout_settings.seed + 1_000_003 * step + 7919 * self.global_rank
+
+        def run(should_stop: Any) -> list[Trajectory]:
             with self._generation_weights():
-                trajectories = self.runner.run(
-                    dialogues,
-                    seed=self.rollout_settings.seed + 1_000_003 * step + 7919 * self.global_rank,
-                    group_size=self.hparams.group_size,
-                    should_stop=None if stop is None else lambda: stop.requested is not None,
+                return self.runner.run(
+                    dialogues, seed=seed, group_size=self.hparams.group_size, should_stop=should_stop
                 )
-        except StopRequested:
-            trajectories = []
-        except SimulatorUnavailable as error:
-            # Nothing has changed this step: stop every rank with last.ckpt at the last finished
-            # step, then `rlver fit` exits with this message (an error on one rank stops all).
-            if stop is None:
-                raise
-            self.fatal_error = error
-            stop.requested = stop.requested or "the simulator becoming unavailable"
-            trajectories = []
-        if stop is not None and stop.agree(self.trainer):
-            # Every rank learns why, so each exits with the error, not only the rank that saw it.
-            reasons = [r for r in self._gather_objects(str(self.fatal_error or "")) if r]
-            if reasons and self.fatal_error is None:
-                self.fatal_error = SimulatorUnavailable(reasons[0])
+
+        trajectories, fatal = run_unless_stopped(run, self._trainer, self._gather_objects)
+        self.fatal_error = fatal or self.fatal_error
+        if trajectories is None:
             return None
         seconds["rollout"] = time.perf_counter() - started
         seconds.update(generate=self.runner.timings["generate"], simulator=self.runner.timings["simulator"])
@@ -389,17 +367,6 @@ class RLVERModule(L.LightningModule):
         """`ppo_update` with this module's networks, optimizers, schedulers and ranks."""
         optimizers = self._optimizer_list()
         schedulers = self.lr_schedulers()
-        stop = graceful_stop(self._trainer)
-        lockstep = Lockstep(
-            world=self.trainer.world_size if self._trainer is not None else 1,
-            device=self.device,
-            reduce_sum=self._reduce_sum,
-            reduce_max=self._reduce_max,
-            backward=self.manual_backward,
-            optimizer_step=lambda optimizer, last: self._step(optimizer, counts_as_global_step=last),
-            gradient_sync=lambda sync: ranks.gradient_sync(self._trainer, sync),
-            stop_requested=lambda: stop is not None and bool(stop.requested),
-        )
         return ppo_update(
             batch,
             old_logprobs,
@@ -415,7 +382,7 @@ class RLVERModule(L.LightningModule):
             settings=self.ppo,
             step=step,
             temperature=self.rollout_settings.temperature or 1.0,
-            lockstep=lockstep,
+            lockstep=ranks.lockstep(self),
         )
 
     def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:
@@ -522,16 +489,18 @@ class RLVERModule(L.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[RNG_KEY] = rng_state()
+        checkpoint[checkpoint_state.RNG_KEY] = checkpoint_state.rng_state()
         if self.lora is None:
             return
-        add_lora_settings(checkpoint, self.lora)
+        checkpoint_state.add_lora_settings(checkpoint, self.lora)
         if is_sharded(self.policy_model) and writes_sharded_checkpoints(self.trainer.strategy):
             # torch's distributed checkpoint loader asks for every key the sharded model
             # has: a sharded checkpoint keeps the frozen base (the optimizer state does not).
             return
-        drop_frozen_weights(checkpoint, {"policy_model": self.policy_model, "value_model": self.value_model})
+        checkpoint_state.drop_frozen_weights(
+            checkpoint, {"policy_model": self.policy_model, "value_model": self.value_model}
+        )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()  # weights are loaded into the networks right after this hook
-        restore_rng_state(checkpoint.get(RNG_KEY))
+        checkpoint_state.restore_rng_state(checkpoint.get(checkpoint_state.RNG_KEY))

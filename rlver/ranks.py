@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from rlver.ppo_update import Lockstep
+from rlver.stopping import graceful_stop
+
 
 def _several(trainer: Any) -> bool:
     return trainer is not None and trainer.world_size > 1
@@ -62,3 +65,23 @@ def share_cpu_cores(trainer: Any, device: torch.device) -> None:
     local_ranks = max(1, trainer.world_size // max(1, trainer.num_nodes))
     if local_ranks > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def lockstep(module: Any) -> Lockstep:
+    """How a LightningModule's update reaches the other ranks and its Trainer (manual optimization).
+
+    The optimizer step goes through `module._step` (only the last of an iteration counts as a
+    global step), looked up at each call.
+    """
+    trainer = module._trainer
+    stop = graceful_stop(trainer)
+    return Lockstep(
+        world=trainer.world_size if trainer is not None else 1,
+        device=module.device,
+        reduce_sum=lambda tensor: reduce_sum(trainer, tensor),
+        reduce_max=lambda value: module._reduce_max(value),
+        backward=module.manual_backward,
+        optimizer_step=lambda optimizer, last: module._step(optimizer, counts_as_global_step=last),
+        gradient_sync=lambda sync: gradient_sync(trainer, sync),
+        stop_requested=lambda: stop is not None and bool(stop.requested),
+    )
