@@ -223,6 +223,7 @@ class RLVERModule(L.LightningModule):
         return None if stall is None else stall + 600.0
 
     def _check_training_precision(self) -> None:
+        """Refuse numerics under which training silently learns nothing or clips wrongly."""
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         hp = self.hparams
         check_training_precision(precision, hp.dtype, self.lora is not None, hp.low_precision_weights)
