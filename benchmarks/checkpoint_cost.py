@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rlver.distributed import atomic_torch_save
+from rlver.checkpoint_io import atomic_torch_save
 from rlver.lora import LoraSettings, add_adapter
 from rlver.models import load_policy
 

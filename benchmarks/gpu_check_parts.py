@@ -99,7 +99,7 @@ def _trainable_names(module: torch.nn.Module) -> list[str]:
 
 def _full_weights(module: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """The trained parameters, whole and on the CPU (a copy), by their Hugging Face names."""
-    from rlver.distributed import full_state_dict
+    from rlver.full_weights import full_state_dict
 
     state = full_state_dict(module, cpu_offload=True)
     return {name: state[name].detach().to("cpu", copy=True) for name in names}

@@ -10,7 +10,7 @@ so values can be gathered from, and advantages scattered back to, sequences.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -127,3 +127,10 @@ def placeholder_batch(pad_id: int) -> RolloutBatch:
         timeline_pos=torch.ones((1, 1), dtype=torch.long),
         timeline_mask=torch.ones((1, 1), dtype=torch.long),
     )
+
+
+def micro_batches(rows: Sequence[int] | range, size: int) -> Iterator[list[int]]:
+    """`rows` in consecutive slices of at most `size` (the last may be shorter)."""
+    rows = list(rows)
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]

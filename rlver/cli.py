@@ -22,8 +22,8 @@ quiet_libraries()  # before torch loads (below): its C++ warnings read their lev
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
 from rlver import __version__  # noqa: E402
+from rlver.checkpoint_io import CheckpointWriteError  # noqa: E402
 from rlver.data.datamodule import ProfileDataModule  # noqa: E402
-from rlver.distributed import CheckpointWriteError  # noqa: E402
 from rlver.interfaces import SimulatorUnavailable  # noqa: E402
 from rlver.models import ModelError  # noqa: E402
 from rlver.module import RLVERModule  # noqa: E402

@@ -14,7 +14,7 @@ _POLICY_PREFIX = "policy_model."
 
 def read_lora_settings(checkpoint_path: str | Path) -> Any:
     """The LoraSettings a checkpoint was trained with, or None (full fine-tuning)."""
-    from rlver.distributed import read_checkpoint_state
+    from rlver.checkpoint_io import read_checkpoint_state
     from rlver.lora import LoraSettings
 
     lora = read_checkpoint_state(Path(checkpoint_path)).get("hyper_parameters", {}).get("lora")
@@ -28,7 +28,8 @@ def read_policy_state(checkpoint_path: str | Path) -> tuple[str, dict[str, torch
 
     A LoRA run's checkpoint holds only the adapter (peft names); see `merged_policy_state`.
     """
-    from rlver.distributed import clean_name, is_sharded_checkpoint, read_checkpoint_state
+    from rlver.checkpoint_io import is_sharded_checkpoint, read_checkpoint_state
+    from rlver.distributed import clean_name
 
     checkpoint_path = Path(checkpoint_path)
     if not (checkpoint_path.is_file() or is_sharded_checkpoint(checkpoint_path)):

@@ -110,7 +110,7 @@ def merged_state_dict(state: dict[str, torch.Tensor], scaling: float) -> dict[st
 
 def inference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full weights under the base model's names, adapters merged in (a collective under FSDP)."""
-    from rlver.distributed import full_state_dict
+    from rlver.full_weights import full_state_dict
 
     state = full_state_dict(model)
     inner = getattr(model, "module", model)  # DDP
@@ -124,11 +124,11 @@ def inference_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[st
     """Full weights under the base model's names, adapters merged, as `dtype` copies, streamed.
 
     One FSDP unit (a decoder layer) is gathered at a time, so an engine sync needs one layer's
-    memory, not the whole model's (rlver.distributed.iter_full_weights). A collective: every rank
+    memory, not the whole model's (rlver.full_weights.iter_full_weights). A collective: every rank
     must consume the whole iterator. Each tensor is a copy the caller may keep (vLLM's layer-wise
     loader holds them until a layer is complete).
     """
-    from rlver.distributed import iter_full_weights
+    from rlver.full_weights import iter_full_weights
 
     inner = getattr(model, "module", model)  # DDP
     scaling = None

@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlver.console import note
+from rlver.interfaces import SimulatorUnavailable
 from rlver.rollout import StopRequested
 
 __all__ = ["GracefulStop", "StopRequested", "graceful_stop"]
@@ -133,3 +135,36 @@ def graceful_stop(trainer: Any) -> GracefulStop | None:
     if trainer is None:
         return None
     return next((c for c in trainer.callbacks if isinstance(c, GracefulStop)), None)
+
+
+def run_unless_stopped(
+    run: Callable[[Callable[[], bool] | None], list[Any]], trainer: Any, gather: Callable[[Any], list[Any]]
+) -> tuple[list[Any] | None, SimulatorUnavailable | None]:
+    """A step's rollouts, `run(should_stop)`, or None when every rank agrees to stop instead.
+
+    A stop asked for during the rollouts (SIGTERM, Ctrl-C) or a simulator that became
+    unavailable drops the step, which has changed nothing yet, on every rank together; the
+    GracefulStop callback then checkpoints the state as of the last finished step. Returns the
+    trajectories (None: stop) and the unavailability error that stopped the run, if one did:
+    every rank learns it (`gather` collects a value from each), so each exits with the error.
+    """
+    stop = graceful_stop(trainer)
+    fatal: SimulatorUnavailable | None = None
+    try:
+        trajectories = run(None if stop is None else lambda: stop.requested is not None)
+    except StopRequested:
+        trajectories = []
+    except SimulatorUnavailable as error:
+        # Stop every rank with last.ckpt at the last finished step; `rlver fit` then exits with
+        # this message (an error on one rank stops all).
+        if stop is None:
+            raise
+        fatal = error
+        stop.requested = stop.requested or "the simulator becoming unavailable"
+        trajectories = []
+    if stop is None or not stop.agree(trainer):
+        return trajectories, fatal
+    reasons = [reason for reason in gather(str(fatal or "")) if reason]
+    if reasons and fatal is None:
+        fatal = SimulatorUnavailable(reasons[0])
+    return None, fatal

@@ -11,8 +11,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from rlver.checkpoint_io import recover_checkpoints
 from rlver.console import is_verbose, note
-from rlver.distributed import recover_checkpoints
 from rlver.precision import resolve_precision
 from rlver.progress import StepProgress
 from rlver.resume import ExactlyOnce

@@ -29,7 +29,8 @@ class WeightDigest(L.Callback):
     @staticmethod
     def _trained_policy_weights(pl_module: L.LightningModule) -> dict[str, Any]:
         """The policy's trained tensors, whole (a collective under FSDP: every rank calls it)."""
-        from rlver.distributed import clean_name, full_state_dict
+        from rlver.distributed import clean_name
+        from rlver.full_weights import full_state_dict
 
         model = pl_module.policy_model
         trained = {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}

@@ -25,7 +25,7 @@ import pytest
 import torch
 import yaml
 
-from rlver.distributed import read_checkpoint_state
+from rlver.checkpoint_io import read_checkpoint_state
 from tests.conftest import REPO
 from tests.test_multiprocess import digests, launch, lay_out_data, read_scalars, twin_config
 

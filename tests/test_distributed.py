@@ -19,14 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from rlver.distributed import (
-    clean_name,
-    clip_grad_norm,
-    decoder_layer_classes,
-    full_state_dict,
-    is_sharded_checkpoint,
-    read_checkpoint_state,
-)
+from rlver.checkpoint_io import is_sharded_checkpoint, read_checkpoint_state
+from rlver.distributed import clean_name, decoder_layer_classes
+from rlver.full_weights import full_state_dict
+from rlver.grad_clip import clip_grad_norm
 
 WORLD = 2
 MAX_NORM = 0.05  # far below the tiny model's gradient norm, so clipping is always active
@@ -187,7 +183,8 @@ def _run_ranks(
 
 # ------------------------------------------------------------------------------------------ rank bodies
 def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
-    from rlver.distributed import fsdp1_wrap, fsdp2_shard, gathered_for_generation, is_sharded
+    from rlver.distributed import fsdp1_wrap, fsdp2_shard, is_sharded
+    from rlver.full_weights import gathered_for_generation
 
     model = _tiny_llama(0)
     full_numel = sum(p.numel() for p in model.parameters())
@@ -208,7 +205,7 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
         "init_state": {k: v.clone() for k, v in full_state_dict(sharded, cpu_offload=True).items()},
     }
     # the engine sync's streamed gather: every parameter once, one FSDP unit per chunk
-    from rlver.distributed import iter_full_weights
+    from rlver.full_weights import iter_full_weights
 
     result["streamed"], result["chunk_numels"] = {}, []
     for chunk in iter_full_weights(sharded):
@@ -271,11 +268,9 @@ class _TinyPolicyModule:
     def create(policy: str) -> Any:
         import lightning as L
 
-        from rlver.distributed import (
-            gathered_for_generation,
-            shard_for_strategy,
-            use_rlver_checkpoint_io,
-        )
+        from rlver.checkpoint_io import use_rlver_checkpoint_io
+        from rlver.distributed import shard_for_strategy
+        from rlver.full_weights import gathered_for_generation
 
         class TinyPolicy(L.LightningModule):
             def __init__(self, policy: str = "tiny") -> None:
@@ -529,7 +524,7 @@ def test_lightning_sharded_checkpoint_reads_back_full_weights(flavor, tmp_path):
 
 
 def test_a_swap_interrupted_anywhere_leaves_one_whole_checkpoint(tmp_path):
-    from rlver.distributed import recover_checkpoints, swap_in
+    from rlver.checkpoint_io import recover_checkpoints, swap_in
 
     def folder(name, marker):
         path = tmp_path / name

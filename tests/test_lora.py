@@ -63,7 +63,7 @@ def test_the_adapter_switched_off_is_the_base_model(tiny_model_dir):
 
 @pytest.mark.slow
 def test_lora_quickstart_twin_trains_syncs_vllm_checkpoints_the_adapter_and_exports(tmp_path, tiny_model_dir):
-    from rlver.distributed import read_checkpoint_state
+    from rlver.checkpoint_io import read_checkpoint_state
     from tests.conftest import run_cli
     from tests.test_multiprocess import read_scalars, run_fit, twin_config
 
@@ -145,7 +145,7 @@ def test_lora_under_fsdp_on_two_processes_trains_syncs_vllm_and_checkpoints_the_
     import yaml
     from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-    from rlver.distributed import read_checkpoint_state
+    from rlver.checkpoint_io import read_checkpoint_state
     from tests.test_multiprocess import digests, lay_out_data, read_scalars, run_fit, twin_config
 
     lay_out_data(tmp_path)

@@ -23,7 +23,7 @@ import torch
 import yaml
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-from rlver.distributed import read_checkpoint_state
+from rlver.checkpoint_io import read_checkpoint_state
 from tests.conftest import OFFICIAL_SAMPLE, REPO, run_cli
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from rlver.cli import parse_recipe
-from rlver.module import RLVERModule, _eval_mode
+from rlver.module import RLVERModule
 from rlver.plugins import plain_config
+from rlver.scoring import eval_mode as _eval_mode
 from tests.conftest import REPO
 
 RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.yaml"))

@@ -1,0 +1,65 @@
+"""What rlver adds to a Lightning checkpoint and takes back from it.
+
+Lightning saves the weights, optimizer and scheduler states and the loops' progress (which
+batch of which epoch: the data order resumes from it). rlver adds the random generators'
+states, so a resumed run samples what the uninterrupted one would have, and with LoRA the
+adapter settings; it leaves out the frozen base weights, which the model path has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlver.distributed import clean_name
+from rlver.lora import LoraSettings, trainable_names
+
+RNG_KEY = "rlver_rng"
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's, Python's and numpy's generator states as plain lists and tensors.
+
+    Plain, so the checkpoint loads with torch.load(weights_only=True).
+    """
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached)],
+    }
+
+
+def restore_rng_state(state: Mapping[str, Any] | None) -> None:
+    """Put back what `rng_state` saved (nothing for a checkpoint without it)."""
+    if not state:
+        return
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
+def add_lora_settings(checkpoint: dict[str, Any], lora: LoraSettings) -> None:
+    checkpoint.setdefault("hyper_parameters", {})["lora"] = dataclasses.asdict(lora)
+
+
+def drop_frozen_weights(checkpoint: dict[str, Any], networks: Mapping[str, torch.nn.Module | None]) -> None:
+    """Keep only the trained tensors (the adapters, the value head) of `networks` in the state dict.
+
+    `networks` maps the LightningModule attribute (the state dict's key prefix) to its module.
+    """
+    keep = {
+        f"{prefix}.{clean_name(name)}"
+        for prefix, network in networks.items()
+        if network is not None
+        for name in trainable_names(network)
+    }
+    state = checkpoint["state_dict"]
+    for key in [k for k in state if k.split(".", 1)[0] in networks and k not in keep]:
+        del state[key]

@@ -1,0 +1,194 @@
+"""From finished dialogues to the update's inputs: rewards, old log-probs and values, advantages.
+
+The algorithm's steps 3 to 5: each dialogue scored by the reward plugins; the sampled tokens
+scored by the policy as it sampled them (eval mode: dropout off), by the frozen reference and
+by the critic; advantages estimated on per-dialogue timelines and scattered back to sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlver.batch import RolloutBatch, build_batch, micro_batches, placeholder_batch, token_logprobs
+from rlver.interfaces import AdvantageBatch
+from rlver.lora import adapter_disabled
+from rlver.rl.advantages import terminal_rewards
+from rlver.rl.losses import explained_variance, kl_estimate, masked_mean
+from rlver.rollout import Trajectory
+
+RewardFunctions = Sequence[tuple[str, float, Callable[[Sequence[Trajectory]], Any]]]
+
+
+def score_dialogues(
+    reward_functions: RewardFunctions, trajectories: Sequence[Trajectory], metrics: dict[str, float]
+) -> torch.Tensor:
+    """(D,) weighted sum of the reward plugins' scores; each one's mean goes into `metrics`."""
+    total = torch.zeros(len(trajectories))
+    for name, weight, function in reward_functions:
+        scores = torch.tensor(function(trajectories), dtype=torch.float32)
+        if scores.shape != total.shape or not torch.isfinite(scores).all():
+            raise ValueError(f"reward {name!r} returned {scores.tolist()} for {len(trajectories)} dialogues")
+        metrics[f"reward/{name}"] = scores.mean().item()
+        total += weight * scores
+    metrics["reward/total"] = total.mean().item()
+    return total
+
+
+@dataclass
+class TrainingBatch:
+    """A rank's dialogues as tensors; `valid` marks the dialogues the simulator did not fail on."""
+
+    batch: RolloutBatch
+    rewards: torch.Tensor  # (D,)
+    valid: torch.Tensor  # (D,) bool
+    group_ids: torch.Tensor  # (D,)
+
+
+def training_batch(
+    trajectories: Sequence[Trajectory],
+    group_ids: torch.Tensor,
+    score: Callable[[Sequence[Trajectory], dict[str, float]], torch.Tensor],
+    pad_id: int,
+    metrics: dict[str, float],
+) -> TrainingBatch:
+    """The dialogues with turns, scored by `score`, as tensors (a placeholder if there are none).
+
+    A dialogue the simulator failed on stays in the batch but is invalid: out of the loss, of
+    GRPO's baselines and of any whitening statistics. A rank left with nothing trains on a
+    placeholder, so every rank runs the step's collectives the same way.
+    """
+    with_turns = [i for i, t in enumerate(trajectories) if t.num_turns > 0]
+    kept = [trajectories[i] for i in with_turns]
+    if kept:
+        valid = torch.tensor([t.termination != "simulator_error" for t in kept], dtype=torch.bool)
+        result = TrainingBatch(
+            build_batch(kept, pad_id=pad_id), score(kept, metrics), valid, group_ids[with_turns]
+        )
+    else:
+        result = TrainingBatch(
+            placeholder_batch(pad_id),
+            torch.zeros(1),
+            torch.zeros(1, dtype=torch.bool),
+            torch.zeros(1, dtype=torch.long),
+        )
+    batch = result.batch
+    batch.loss_mask[~result.valid[batch.sequence_dialogue]] = 0
+    trained = batch.sequence_dialogue[batch.loss_mask.sum(dim=1) > 0]
+    metrics["rollout/trained_dialogues"] = float(trained.unique().numel())  # summed over ranks
+    return result
+
+
+@contextlib.contextmanager
+def eval_mode(*modules: torch.nn.Module | None) -> Iterator[None]:
+    """Dropout (a LoRA adapter's, say) off inside, each module's own mode restored after."""
+    present = [m for m in modules if m is not None]
+    modes = [m.training for m in present]
+    for module in present:
+        module.eval()
+    try:
+        yield
+    finally:
+        for module, mode in zip(present, modes, strict=True):
+            module.train(mode)
+
+
+@torch.no_grad()
+def score_tokens(
+    batch: RolloutBatch,
+    policy_model: torch.nn.Module,
+    *,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    value_model: torch.nn.Module | None = None,
+    reference: torch.nn.Module | None = None,
+    adapter_off_reference: bool = False,
+    reduce_max: Callable[[float], float] = lambda value: value,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(S, L) old log-probs (the policy now), reference log-probs and old values, 0 off the loss mask.
+
+    In micro-batches, with dropout off. The reference is `reference`, or with
+    `adapter_off_reference` the policy with its LoRA adapter switched off (None: neither).
+    Under FSDP every forward is a collective: ranks run as many as the fullest rank
+    (`reduce_max`), padding with a repeat of sequence 0 whose outputs are dropped.
+    """
+    old, ref, values = [], [], []
+    with eval_mode(policy_model, value_model):  # the policy that sampled
+        rows = list(micro_batches(range(batch.num_sequences), micro_batch_size))
+        padding = int(reduce_max(len(rows))) - len(rows)
+        for index, micro in enumerate(rows + [[0]] * padding):
+            ids, attention = batch.input_ids[micro], batch.attention_mask[micro]
+            if index >= len(rows):
+                policy_model(input_ids=ids, attention_mask=attention)
+                if value_model is not None:
+                    value_model(ids, attention)
+                continue
+            logits = policy_model(input_ids=ids, attention_mask=attention).logits
+            old.append(token_logprobs(logits, ids, temperature))
+            if reference is not None:
+                logits = reference(input_ids=ids, attention_mask=attention).logits
+                ref.append(token_logprobs(logits, ids, temperature))
+            elif adapter_off_reference:
+                with adapter_disabled(policy_model):
+                    logits = policy_model(input_ids=ids, attention_mask=attention).logits
+                ref.append(token_logprobs(logits, ids, temperature))
+            if value_model is not None:
+                values.append(value_model(ids, attention))
+    mask = batch.loss_mask.float()
+    return (
+        torch.cat(old) * mask,
+        torch.cat(ref) * mask if ref else None,
+        torch.cat(values) * mask if values else None,
+    )
+
+
+def token_advantages(
+    estimator: Callable[[AdvantageBatch], Any],
+    data: TrainingBatch,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    old_values: torch.Tensor | None,
+    settings: Any,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+    metrics: dict[str, float],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(S, L) advantages and returns (None without a critic), estimated on per-dialogue timelines.
+
+    The dialogue's reward sits on its last token; with a reference, the KL is logged and, with
+    `settings.kl_mode` in-reward, subtracted from the token rewards. Statistics the estimator
+    takes over dialogues (GRPO's groups, whitening) use `reduce_sum` to cover every rank.
+    """
+    batch = data.batch
+    device = old_logprobs.device
+    mask = batch.loss_mask
+    timeline_mask = batch.timeline_mask
+    token_rewards = terminal_rewards(data.rewards.to(device), timeline_mask)
+    if ref_logprobs is not None:
+        kl = kl_estimate(old_logprobs, ref_logprobs, settings.kl_estimator, mask)
+        if mask.any():
+            metrics["ppo/kl"] = masked_mean(kl, mask).item()
+        if settings.kl_mode == "in-reward":
+            token_rewards = token_rewards - settings.kl_coef * batch.to_timeline(kl)
+    result = estimator(
+        AdvantageBatch(
+            token_rewards=token_rewards,
+            values=batch.to_timeline(old_values) if old_values is not None else None,
+            mask=timeline_mask,
+            group_ids=data.group_ids.to(device),
+            valid=data.valid.to(device),
+            reduce_sum=reduce_sum,
+        )
+    )
+    advantages = batch.to_sequences(result.advantages) * mask
+    returns = batch.to_sequences(result.returns) if result.returns is not None else None
+    metrics.update(result.metrics)
+    if mask.any():
+        metrics["advantage/mean"] = masked_mean(advantages, mask).item()
+        metrics["advantage/abs_mean"] = masked_mean(advantages.abs(), mask).item()
+        if returns is not None and old_values is not None:
+            metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask).item()
+    return advantages, returns
