@@ -70,7 +70,11 @@ def iter_full_weights(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     Buffers are left out: inference engines compute their own (rotary tables and the like).
     """
     module = unwrap_ddp(module)
-    names = {id(p): clean_name(n) for n, p in module.named_parameters()}
+    # Every name of a parameter: a tied head is `lm_head.weight` as well as the embeddings'
+    # (engines such as vLLM's CPU build keep their own copy of the head and load it by that name).
+    names: dict[int, list[str]] = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(clean_name(name))
     if uses_fsdp1(module):
         fsdp = fsdp1_class()
         units = [unit for root in top_fsdp1_units(module) for unit in fsdp.fsdp_modules(root)]
@@ -83,11 +87,11 @@ def iter_full_weights(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
             if not own:
                 continue
             with fsdp.summon_full_params(unit, recurse=False, writeback=False):
-                yield {names[id(p)]: p.detach() for p in own}
+                yield {name: p.detach() for p in own for name in names[id(p)]}
         return
     dtensor = dtensor_class()
     if not any(isinstance(p, dtensor) for p in module.parameters()):
-        yield {names[id(p)]: p.detach() for p in module.parameters()}
+        yield {name: p.detach() for p in module.parameters() for name in names[id(p)]}
         return
     from torch.distributed.fsdp import FSDPModule
 
@@ -99,7 +103,8 @@ def iter_full_weights(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     for parameter in module.parameters():
         chunks.setdefault(id(groups[id(parameter)]), []).append(parameter)
     for own in chunks.values():
-        yield {names[id(p)]: (p.full_tensor() if isinstance(p, dtensor) else p).detach() for p in own}
+        full = {id(p): (p.full_tensor() if isinstance(p, dtensor) else p).detach() for p in own}
+        yield {name: full[id(p)] for p in own for name in names[id(p)]}
 
 
 @contextlib.contextmanager

@@ -418,7 +418,7 @@ def _check_sharded_results(results: list[dict[str, Any]], sharded: bool) -> None
             assert state[name].device.type == "cpu"
         # the streamed sync: the parameters (the tied head once), at most one decoder layer or the
         # root's own weights (embeddings, final norm) gathered at a time when sharded
-        parameters = dict(reference.named_parameters())
+        parameters = dict(reference.named_parameters(remove_duplicate=False))  # the tied head too
         assert result["streamed"].keys() == parameters.keys(), rank
         for name, tensor in parameters.items():
             assert torch.equal(result["streamed"][name], tensor), (rank, name)
