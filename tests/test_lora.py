@@ -67,7 +67,9 @@ def test_lora_quickstart_twin_trains_syncs_vllm_checkpoints_the_adapter_and_expo
     from tests.conftest import run_cli
     from tests.test_multiprocess import read_scalars, run_fit, twin_config
 
-    config = twin_config("quickstart_lora", tmp_path, tiny_model_dir, "", steps=3, devices=1, vllm=True)
+    config = twin_config(
+        "quickstart_lora", tmp_path, tiny_model_dir, "", steps=3, devices=1, vllm=True, float32_compute=True
+    )
     run_fit(tmp_path, "--config", config)
     run_dir = tmp_path / "runs" / "quickstart_lora"
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
@@ -82,7 +84,9 @@ def test_lora_quickstart_twin_trains_syncs_vllm_checkpoints_the_adapter_and_expo
     # ... as closely as with full fine-tuning (the quickstart twin, same engine and steps).
     full_dir = tmp_path / "full"
     full_dir.mkdir()
-    full = twin_config("quickstart", full_dir, tiny_model_dir, "", steps=3, devices=1, vllm=True)
+    full = twin_config(
+        "quickstart", full_dir, tiny_model_dir, "", steps=3, devices=1, vllm=True, float32_compute=True
+    )
     run_fit(full_dir, "--config", full)
     full_gaps = read_scalars(full_dir / "runs" / "quickstart" / "tensorboard")["rollout/logprob_gap"]
     print("logprob gap after each sync: lora", gaps, "full", full_gaps)
@@ -150,7 +154,9 @@ def test_lora_under_fsdp_on_two_processes_trains_syncs_vllm_and_checkpoints_the_
 
     lay_out_data(tmp_path)
     with ScriptedServer(Script()) as server:
-        config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=2, vllm=True)
+        config = twin_config(
+            "grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=2, vllm=True, float32_compute=True
+        )
         twin = yaml.safe_load(config.read_text())
         twin["model"]["lora"] = {"rank": 4, "alpha": 8}
         twin["model"]["actor_lr"] = 1e-3
@@ -167,7 +173,9 @@ def test_lora_under_fsdp_on_two_processes_trains_syncs_vllm_and_checkpoints_the_
     assert max(gaps) < 1e-3, gaps  # step 1 sampled the merged, updated adapter
     # It resumes under FSDP (the sharded checkpoint keeps the frozen base for the loader).
     with ScriptedServer(Script()) as server:
-        config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=3, vllm=True)
+        config = twin_config(
+            "grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=3, vllm=True, float32_compute=True
+        )
         twin["trainer"]["max_steps"] = 3
         twin["model"]["simulator"]["base_url"] = server.url
         config.write_text(yaml.safe_dump(twin, sort_keys=False, allow_unicode=True))

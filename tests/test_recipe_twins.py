@@ -84,7 +84,7 @@ def test_paper_recipe_twin_trains_on_two_processes(recipe, tmp_path, tiny_model_
 # --------------------------------------------------------------------------- the laptop recipes
 def test_quickstart_twin_with_a_vllm_engine_per_rank(tmp_path, tiny_model_dir):
     """Each rank runs its own in-process vLLM engine and pushes its updated weights into it."""
-    config = twin_config("quickstart", tmp_path, tiny_model_dir, "", steps=2, vllm=True)
+    config = twin_config("quickstart", tmp_path, tiny_model_dir, "", steps=2, vllm=True, float32_compute=True)
     result = run_fit(tmp_path, "--config", config)
     assert result.stdout.count("greedy mean final emotion") == 1  # rank 0 prints it
     per_rank = digests(tmp_path)
