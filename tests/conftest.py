@@ -82,3 +82,21 @@ def server():
 
     with ScriptedServer(Script()) as running:
         yield running
+
+
+def small_llama():
+    """A 1-layer Llama with a 512-word vocabulary, seed 0: bf16 work on it stays cheap anywhere."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)

@@ -6,22 +6,11 @@ import torch
 
 from rlver.batch import RolloutBatch, token_logprobs
 from rlver.ppo_update import Lockstep, PPOSettings, ppo_update
+from tests.conftest import small_llama
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    return small_llama()
 
 
 def _batch(ids: torch.Tensor, mask: torch.Tensor) -> RolloutBatch:

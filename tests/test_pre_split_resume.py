@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, small_llama
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -24,19 +24,8 @@ def make_small_model(folder: Path) -> Path:
     word tokenizer fills exactly the model's 512 ids (text outside it becomes [UNK]).
     """
     from gpu_check_parts import word_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    small_llama().save_pretrained(folder)
     word_tokenizer(512).save_pretrained(folder)
     return folder
 

@@ -16,7 +16,7 @@ from rlver.cli import parse_recipe
 from rlver.module import RLVERModule
 from rlver.plugins import plain_config
 from rlver.scoring import eval_mode as _eval_mode
-from tests.conftest import REPO
+from tests.conftest import REPO, small_llama
 
 RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.yaml"))
 EVALUATION_ONLY = {"sentient_eval", "sentient_eval_own_prompts"}  # `rlver test` recipes: never trained
@@ -26,22 +26,12 @@ VOCAB = 512
 @pytest.fixture(scope="module")
 def small_vocab_model(tmp_path_factory):
     """A 1-layer Llama with a 512-word vocabulary and the embedded tokenizer (ids below 512 only)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from rlver.models import resolve_model_path
 
     folder = tmp_path_factory.mktemp("small-vocab")
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    small_llama().save_pretrained(folder)
     AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct")).save_pretrained(folder)
     return folder
 
