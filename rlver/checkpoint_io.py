@@ -9,7 +9,8 @@
 * Reading: `read_checkpoint_state` gives one dict of full tensors from either kind, without a
   process group; `consolidate_checkpoint` writes it as one file.
 
-`use_rlver_checkpoint_io(strategy)` installs all of it on a Lightning strategy.
+`use_rlver_checkpoint_io(strategy)` installs all of it on a Lightning strategy. It decides how
+bytes reach the disk, never what a checkpoint holds (that is `checkpoint_state`).
 """
 
 from __future__ import annotations

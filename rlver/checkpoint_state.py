@@ -4,6 +4,7 @@ Lightning saves the weights, optimizer and scheduler states and the loops' progr
 batch of which epoch: the data order resumes from it). rlver adds the random generators'
 states, so a resumed run samples what the uninterrupted one would have, and with LoRA the
 adapter settings; it leaves out the frozen base weights, which the model path has.
+It never writes files itself: Lightning's checkpoint IO (`checkpoint_io`) does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlver.distributed import clean_name
+from rlver.checkpoint_io import writes_sharded_checkpoints
+from rlver.distributed import clean_name, is_sharded
 from rlver.lora import LoraSettings, trainable_names
 
 RNG_KEY = "rlver_rng"
@@ -63,3 +65,22 @@ def drop_frozen_weights(checkpoint: dict[str, Any], networks: Mapping[str, torch
     state = checkpoint["state_dict"]
     for key in [k for k in state if k.split(".", 1)[0] in networks and k not in keep]:
         del state[key]
+
+
+class CheckpointHooks:
+    """The LightningModule's checkpoint hooks, mixed into `RLVERModule`."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RNG_KEY] = rng_state()
+        if self.lora is None:
+            return
+        add_lora_settings(checkpoint, self.lora)
+        if is_sharded(self.policy_model) and writes_sharded_checkpoints(self.trainer.strategy):
+            # torch's distributed checkpoint loader asks for every key the sharded model
+            # has: a sharded checkpoint keeps the frozen base (the optimizer state does not).
+            return
+        drop_frozen_weights(checkpoint, {"policy_model": self.policy_model, "value_model": self.value_model})
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.configure_model()  # weights are loaded into the networks right after this hook
+        restore_rng_state(checkpoint.get(RNG_KEY))

@@ -1,6 +1,6 @@
 """What an RLVERModule is made of: its settings and plugins, built and checked from the config.
 
-Every error names the `--model.` flag it is about.
+Every error names the `--model.` flag it is about. Nothing here loads a model or runs a step.
 """
 
 from __future__ import annotations

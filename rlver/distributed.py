@@ -15,7 +15,8 @@ and Lightning 2.6.6 (tests/test_distributed.py):
 Full weights of a sharded module are in `rlver.full_weights`, its global gradient norm in
 `rlver.grad_clip`, checkpoint files and folders in `rlver.checkpoint_io`. Every function there that
 gathers (`full_state_dict`, `iter_full_weights`, `gathered_for_generation`, `clip_grad_norm`) is a
-collective: every rank must call it, in the same order.
+collective: every rank must call it, in the same order. This module only wraps and names;
+it never gathers full weights or touches files.
 """
 
 from __future__ import annotations

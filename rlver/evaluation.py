@@ -1,4 +1,7 @@
-"""Validation and test: dialogues at the evaluation temperature, and the Sentient benchmark's output."""
+"""Validation and test: dialogues at the evaluation temperature, and the Sentient benchmark's output.
+
+It never trains: no gradient, no optimizer, no change to the training rollouts' settings.
+"""
 
 from __future__ import annotations
 
@@ -67,3 +70,50 @@ def sentient_output(
         + (f"records  {path}  (rlver score {path})\n" if path is not None else ""),
         flush=True,
     )
+
+
+class EvaluationHooks:
+    """The LightningModule's validation and test hooks, mixed into `RLVERModule`.
+
+    They use the module's rollout runner, hyperparameters, rank and logging helpers.
+    """
+
+    def validation_step(self, batch: list[Any], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "val")
+
+    def test_step(self, batch: list[Any], batch_idx: int) -> None:
+        self._evaluate(batch, batch_idx, "test")
+
+    def on_test_epoch_start(self) -> None:
+        self._test_trajectories: list[Trajectory] = []
+
+    def on_test_epoch_end(self) -> None:
+        """Sentient-benchmark output: SAGE-format records per rank, scores of all ranks' dialogues."""
+        sentient_output(
+            self._test_trajectories,
+            self._log_dir(),
+            self.hparams.policy,
+            self.global_rank,
+            self.trainer.world_size,
+            self._gather_objects,
+        )
+
+    def evaluation_rollouts(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:
+        """Dialogues with `profiles` at `eval_temperature` (greedy by default), weights as they are now."""
+        eval_settings = evaluation_settings(self.rollout_settings, self.hparams.eval_temperature)
+        previous, self.runner.settings = self.runner.settings, eval_settings
+        try:
+            with self._generation_weights():
+                return self.runner.run(list(profiles), seed=seed)
+        finally:
+            self.runner.settings = previous
+
+    def _evaluate(self, batch: Sequence[Any], batch_idx: int, split: str) -> None:
+        seed = self.rollout_settings.seed + 7919 * self.global_rank + batch_idx
+        trajectories = self.evaluation_rollouts(list(batch), seed=seed)
+        self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
+        if split == "test":
+            self._test_trajectories.extend(trajectories)
+        metrics = evaluation_metrics(trajectories, split, lambda dialogues: self._score(dialogues, {}))
+        metrics.update(self._simulator_metrics())
+        self._log_metrics(metrics, on_epoch=True, on_step=False)

@@ -1,7 +1,8 @@
 """Full weights of a (possibly sharded) module: all at once, streamed unit by unit, or in place.
 
 Each function is a collective under FSDP: every rank calls it, in the same order. For the
-FSDP1 / FSDP2 flavours and how modules get sharded, see `rlver.distributed`.
+FSDP1 / FSDP2 flavours and how modules get sharded, see `rlver.distributed`. Nothing here
+writes a checkpoint or changes a weight's value.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""Gradient clipping to the global norm, over every shard and rank (FSDP1, FSDP2, DDP, one process)."""
+"""Gradient clipping to the global norm, over every shard and rank (FSDP1, FSDP2, DDP, one process).
+
+It scales gradients only; the optimizer step is the caller's."""
 
 from __future__ import annotations
 

@@ -8,29 +8,31 @@ ranks. Only the last actor optimizer step of an iteration advances
 
 The steps' work is done elsewhere: `scoring` (rewards, old log-probs and values,
 advantages), `ppo_update` (the update), `run_log` (metrics, transcripts, samples),
-`evaluation` (validation, the Sentient test), `checkpoint_state`, `networks` and `ranks`.
+`evaluation` (validation, the Sentient test), `checkpoint_state`, `networks` and `ranks`;
+the hooks of the last three concerns are mixed in from their modules (`RunLogHooks`,
+`EvaluationHooks`, `CheckpointHooks`). This file holds the algorithm's order only: it
+never computes a loss, a reward or a metric itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
 import torch
 
-from rlver import checkpoint_state, ranks
+from rlver import ranks
 from rlver.batch import RolloutBatch
-from rlver.checkpoint_io import use_rlver_checkpoint_io, writes_sharded_checkpoints
+from rlver.checkpoint_io import use_rlver_checkpoint_io
+from rlver.checkpoint_state import CheckpointHooks
 from rlver.components import ComponentSpec, build_components, checked_settings
 from rlver.console import phase
 from rlver.critic import ValueModel
-from rlver.curriculum import difficulty_metrics
-from rlver.distributed import is_sharded, shard_for_strategy
-from rlver.evaluation import evaluation_metrics, evaluation_settings, sentient_output
+from rlver.distributed import shard_for_strategy
+from rlver.evaluation import EvaluationHooks
 from rlver.interfaces import SimulatorUnavailable
 from rlver.lora import LoraSettings
 from rlver.memory_plan import check_fits
@@ -44,15 +46,7 @@ from rlver.networks import (
 from rlver.plugins import get_registry
 from rlver.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory
-from rlver.run_log import (
-    append_transcripts,
-    log_metrics,
-    log_samples,
-    merge_rank_metrics,
-    perf_metrics,
-    rollout_metrics,
-    simulator_errors,
-)
+from rlver.run_log import RunLogHooks, merge_rank_metrics, perf_metrics, rollout_metrics, simulator_errors
 from rlver.scoring import score_dialogues, score_tokens, token_advantages, training_batch
 from rlver.stopping import run_unless_stopped
 from rlver.types import Profile
@@ -60,7 +54,7 @@ from rlver.types import Profile
 __all__ = ["PPOSettings", "RLVERModule", "actor_loss", "merge_rank_metrics"]  # the last three: re-exported
 
 
-class RLVERModule(L.LightningModule):
+class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModule):
     """Trains a chat policy against simulated users with PPO (critic + GAE) or GRPO.
 
     Args:
@@ -408,100 +402,3 @@ class RLVERModule(L.LightningModule):
 
     def _generation_weights(self) -> contextlib.AbstractContextManager:
         return weights_for_generation(getattr(self.runner, "engine", None), self.policy_model)
-
-    # ------------------------------------------------------------------ logging
-    def _simulator_metrics(self) -> dict[str, float]:
-        """The simulator's counters since the last call (requests, retries, re-asks, ...)."""
-        return {f"simulator/{name}": float(value) for name, value in self.simulator.drain_metrics().items()}
-
-    def _difficulty_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """Share of dialogues and mean final emotion per curriculum level, over all ranks."""
-        assert self.curriculum is not None
-        return difficulty_metrics(
-            [t.profile.extra.get("difficulty") for t in trajectories],
-            [t.final_emotion for t in trajectories],
-            self.curriculum.levels,
-            lambda values: (
-                values
-                if self._trainer is None
-                else self._reduce_sum(torch.tensor(values, device=self.device)).tolist()
-            ),
-        )
-
-    def _log_metrics(self, metrics: Mapping[str, float], step: int | None = None, **kwargs: Any) -> None:
-        log_metrics(self, metrics, self._gather_objects, step=step, **kwargs)
-
-    def _log_dir(self) -> Path | None:
-        if self._trainer is None:
-            return None
-        directory = self.trainer.log_dir or self.trainer.default_root_dir
-        return Path(directory) if directory else None
-
-    def _append_transcripts(self, split: str, trajectories: Sequence[Trajectory], step: int) -> None:
-        directory = self._log_dir()
-        if directory is not None:
-            append_transcripts(directory, split, self.global_rank, trajectories, step)
-
-    def _log_samples(self, trajectories: Sequence[Trajectory], step: int) -> None:
-        every = self.hparams.log_samples_every_n_steps
-        if every and not step % every and self.global_rank == 0 and self.logger is not None:
-            log_samples(getattr(self.logger, "experiment", None), trajectories, step)
-
-    # ------------------------------------------------------------------ evaluation
-    def validation_step(self, batch: list[Profile], batch_idx: int) -> None:
-        self._evaluate(batch, batch_idx, "val")
-
-    def test_step(self, batch: list[Profile], batch_idx: int) -> None:
-        self._evaluate(batch, batch_idx, "test")
-
-    def on_test_epoch_start(self) -> None:
-        self._test_trajectories: list[Trajectory] = []
-
-    def on_test_epoch_end(self) -> None:
-        """Sentient-benchmark output: SAGE-format records per rank, scores of all ranks' dialogues."""
-        sentient_output(
-            self._test_trajectories,
-            self._log_dir(),
-            self.hparams.policy,
-            self.global_rank,
-            self.trainer.world_size,
-            self._gather_objects,
-        )
-
-    def evaluation_rollouts(self, profiles: Sequence[Profile], seed: int) -> list[Trajectory]:
-        """Dialogues with `profiles` at `eval_temperature` (greedy by default), weights as they are now."""
-        eval_settings = evaluation_settings(self.rollout_settings, self.hparams.eval_temperature)
-        previous, self.runner.settings = self.runner.settings, eval_settings
-        try:
-            with self._generation_weights():
-                return self.runner.run(list(profiles), seed=seed)
-        finally:
-            self.runner.settings = previous
-
-    def _evaluate(self, batch: Sequence[Profile], batch_idx: int, split: str) -> None:
-        seed = self.rollout_settings.seed + 7919 * self.global_rank + batch_idx
-        trajectories = self.evaluation_rollouts(list(batch), seed=seed)
-        self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
-        if split == "test":
-            self._test_trajectories.extend(trajectories)
-        metrics = evaluation_metrics(trajectories, split, lambda dialogues: self._score(dialogues, {}))
-        metrics.update(self._simulator_metrics())
-        self._log_metrics(metrics, on_epoch=True, on_step=False)
-
-    # ------------------------------------------------------------------ checkpoints
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[checkpoint_state.RNG_KEY] = checkpoint_state.rng_state()
-        if self.lora is None:
-            return
-        checkpoint_state.add_lora_settings(checkpoint, self.lora)
-        if is_sharded(self.policy_model) and writes_sharded_checkpoints(self.trainer.strategy):
-            # torch's distributed checkpoint loader asks for every key the sharded model
-            # has: a sharded checkpoint keeps the frozen base (the optimizer state does not).
-            return
-        checkpoint_state.drop_frozen_weights(
-            checkpoint, {"policy_model": self.policy_model, "value_model": self.value_model}
-        )
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.configure_model()  # weights are loaded into the networks right after this hook
-        checkpoint_state.restore_rng_state(checkpoint.get(checkpoint_state.RNG_KEY))

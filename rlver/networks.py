@@ -1,5 +1,7 @@
 """The networks a training run holds (policy, critic, frozen reference, LoRA adapters), their optimizers,
-the weights an engine generates from, and the numerics they may be trained in."""
+the weights an engine generates from, and the numerics they may be trained in.
+
+It builds and checks networks; it never runs a rollout or an update."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 `ppo_update` takes the step's tensors, the networks and their optimizers, and returns the
 `ppo/` metrics; it needs no Trainer. How it reaches the other ranks and the trainer (sums and
 maxima over ranks, backward, the optimizer step that counts as a global step, DDP's gradient
-sync) comes in a `Lockstep`, whose defaults are one process without a trainer.
+sync) comes in a `Lockstep`, whose defaults are one process without a trainer. The update never
+talks to the engine, the simulator or the logger: it only changes the networks and returns numbers.
 """
 
 from __future__ import annotations

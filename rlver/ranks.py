@@ -1,4 +1,6 @@
-"""The LightningModule's collectives across ranks, each a no-op in one process or without a Trainer."""
+"""The LightningModule's collectives across ranks, each a no-op in one process or without a Trainer.
+
+They only move numbers between ranks (and size CPU thread pools); they never decide what is trained."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Metric keys are grouped: `rollout/`, `reward/`, `advantage/`, `ppo/`, `perf/`, `simulator/`,
 `val/`, `test/`. Ranks may report different keys (a rank whose dialogues all failed has no
 losses; simulators count only what happened), so they are merged by one gather of every
-rank's dict (`merge_rank_metrics`), never synchronised key by key.
+rank's dict (`merge_rank_metrics`), never synchronised key by key. Nothing here changes what is trained.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlver.curriculum import difficulty_metrics
 from rlver.rollout import Trajectory, summarize
 
 # Metrics that count events: summed over ranks, not averaged.
@@ -156,3 +157,45 @@ def emotion_figure(trajectories: Sequence[Trajectory]):
     axes.set_ylim(0, 100)
     figure.tight_layout()
     return figure
+
+
+class RunLogHooks:
+    """The LightningModule's reporting helpers, mixed into `RLVERModule`."""
+
+    def _simulator_metrics(self) -> dict[str, float]:
+        """The simulator's counters since the last call (requests, retries, re-asks, ...)."""
+        return {f"simulator/{name}": float(value) for name, value in self.simulator.drain_metrics().items()}
+
+    def _difficulty_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Share of dialogues and mean final emotion per curriculum level, over all ranks."""
+        import torch
+
+        return difficulty_metrics(
+            [t.profile.extra.get("difficulty") for t in trajectories],
+            [t.final_emotion for t in trajectories],
+            self.curriculum.levels,
+            lambda values: (
+                values
+                if self._trainer is None
+                else self._reduce_sum(torch.tensor(values, device=self.device)).tolist()
+            ),
+        )
+
+    def _log_metrics(self, metrics: Mapping[str, float], step: int | None = None, **kwargs: Any) -> None:
+        log_metrics(self, metrics, self._gather_objects, step=step, **kwargs)
+
+    def _log_dir(self) -> Path | None:
+        if self._trainer is None:
+            return None
+        directory = self.trainer.log_dir or self.trainer.default_root_dir
+        return Path(directory) if directory else None
+
+    def _append_transcripts(self, split: str, trajectories: Sequence[Trajectory], step: int) -> None:
+        directory = self._log_dir()
+        if directory is not None:
+            append_transcripts(directory, split, self.global_rank, trajectories, step)
+
+    def _log_samples(self, trajectories: Sequence[Trajectory], step: int) -> None:
+        every = self.hparams.log_samples_every_n_steps
+        if every and not step % every and self.global_rank == 0 and self.logger is not None:
+            log_samples(getattr(self.logger, "experiment", None), trajectories, step)

@@ -3,6 +3,7 @@
 The algorithm's steps 3 to 5: each dialogue scored by the reward plugins; the sampled tokens
 scored by the policy as it sampled them (eval mode: dropout off), by the frozen reference and
 by the critic; advantages estimated on per-dialogue timelines and scattered back to sequences.
+Scoring never changes a weight or an optimizer: every forward pass here runs without gradients.
 """
 
 from __future__ import annotations
