@@ -15,6 +15,7 @@ from rlver.checkpoint_io import recover_checkpoints
 from rlver.console import is_verbose, note
 from rlver.precision import resolve_precision
 from rlver.progress import StepProgress
+from rlver.rank_watch import RankFailureWatch
 from rlver.resume import ExactlyOnce
 from rlver.stopping import GracefulStop
 
@@ -27,6 +28,8 @@ class Trainer(L.Trainer):
     resumed run keeps writing where it was), and a ModelCheckpoint without a `dirpath` writes to
     `<default_root_dir>/checkpoints`. `--trainer.default_root_dir DIR` moves all of it.
     The first SIGTERM or Ctrl-C stops the run within a step with `last.ckpt` (rlver.stopping);
+    when one rank fails, the others end within seconds, not at the collective timeout
+    (rlver.rank_watch);
     after a crash, `--ckpt_path last` replays the lost steps and the run's transcripts and
     TensorBoard events hold every step once (rlver.resume).
     Unless a progress bar is configured, rlver's StepProgress shows steps and the reward, and the
@@ -58,6 +61,8 @@ class Trainer(L.Trainer):
                 callback.dirpath = os.path.join(root, "checkpoints")
         if not any(isinstance(callback, GracefulStop) for callback in self.callbacks):
             self.callbacks.insert(0, GracefulStop())  # the first SIGTERM / Ctrl-C: checkpoint, stop
+        if not any(isinstance(callback, RankFailureWatch) for callback in self.callbacks):
+            self.callbacks.insert(0, RankFailureWatch())  # one rank fails: the others stop in seconds
         if not any(isinstance(callback, ExactlyOnce) for callback in self.callbacks):
             self.callbacks.insert(0, ExactlyOnce())  # first: a resumed run's files drop what it replays
 
