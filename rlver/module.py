@@ -47,7 +47,14 @@ from rlver.plugins import get_registry
 from rlver.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory
 from rlver.run_log import RunLogHooks, merge_rank_metrics, perf_metrics, rollout_metrics, simulator_errors
-from rlver.scoring import score_dialogues, score_tokens, token_advantages, training_batch
+from rlver.scoring import (
+    logprob_metrics,
+    on_policy_update,
+    score_dialogues,
+    score_tokens,
+    token_advantages,
+    training_batch,
+)
 from rlver.stopping import run_unless_stopped
 from rlver.types import Profile
 
@@ -272,11 +279,10 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         data.batch = data.batch.to(self.device)
         mask = data.batch.loss_mask
 
-        # 4. old log-probs from the sampled ids, reference log-probs and values
-        old_logprobs, ref_logprobs, old_values = self._score_tokens(data.batch)
-        if mask.any():
-            gap = ((old_logprobs - data.batch.engine_logprobs).abs() * mask).max()
-            metrics["rollout/logprob_gap"] = gap.item()
+        # 4. old log-probs from the sampled ids (left to the update when it is one step from
+        #    the sampling policy: its own pass gives them), reference log-probs and values
+        on_policy = on_policy_update(self.ppo, data.batch.num_sequences, self.policy_model, self._reduce_max)
+        old_logprobs, ref_logprobs, old_values = self._score_tokens(data.batch, with_policy=not on_policy)
 
         # 5. advantages on per-dialogue timelines, statistics over every rank's dialogues
         advantages, returns = token_advantages(
@@ -286,16 +292,21 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
 
         # 6. PPO epochs over minibatches (in one process, a stop before the first optimizer
         #    step still drops the step); then the engine samples from the updated policy
+        policy_logprobs = torch.zeros_like(data.batch.engine_logprobs) if on_policy else old_logprobs
         try:
             metrics.update(
                 self._update(
-                    data.batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step=step
+                    data.batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step=step,
+                    logprobs_out=policy_logprobs if on_policy else None,
                 )
-            )
+            )  # fmt: skip
         except StopRequested:
             for optimizer in self._optimizer_list():
                 optimizer.zero_grad()
             return
+        logprob_metrics(
+            policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics
+        )
         sync_started = time.perf_counter()
         self.runner.engine.sync_weights()
         seconds["weight_sync"] = time.perf_counter() - sync_started
@@ -336,8 +347,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         return score_dialogues(self.reward_functions, trajectories, metrics)
 
     def _score_tokens(
-        self, batch: RolloutBatch
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        self, batch: RolloutBatch, with_policy: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return score_tokens(
             batch,
             self.policy_model,
@@ -347,17 +358,19 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
             reference=self._reference[0] if self._reference else None,
             adapter_off_reference=self.lora is not None and self.ppo.kl_coef > 0,
             reduce_max=self._reduce_max,
+            with_policy=with_policy,
         )
 
     def _update(
         self,
         batch: RolloutBatch,
-        old_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
         ref_logprobs: torch.Tensor | None,
         advantages: torch.Tensor,
         old_values: torch.Tensor | None,
         returns: torch.Tensor | None,
         step: int,
+        logprobs_out: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """`ppo_update` with this module's networks, optimizers, schedulers and ranks."""
         optimizers = self._optimizer_list()
@@ -378,6 +391,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
             step=step,
             temperature=self.rollout_settings.temperature or 1.0,
             lockstep=ranks.lockstep(self),
+            logprobs_out=logprobs_out,
         )
 
     def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:

@@ -125,7 +125,7 @@ class Lockstep:
 
 def ppo_update(
     batch: RolloutBatch,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     old_values: torch.Tensor | None,
@@ -140,6 +140,7 @@ def ppo_update(
     schedulers: Sequence[Any] = (),
     temperature: float = 1.0,
     lockstep: Lockstep | None = None,
+    logprobs_out: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """PPO epochs over minibatches, every rank in lockstep; returns the `ppo/` metrics.
 
@@ -150,6 +151,12 @@ def ppo_update(
     weighted by its share of the tokens (or sequences) of the whole step's minibatch, so the
     synchronised gradient equals that of one process holding every rank's dialogues. The
     minibatch order is a shuffle seeded by `step`, fresh each epoch.
+
+    `old_logprobs` None: the update is one optimizer step from the policy that sampled (see
+    `scoring.on_policy_update`), so the old log-probs are the training pass's own, detached: the
+    ratio is exactly 1 and its gradient that of the log-probs, with no separate scoring pass.
+    `logprobs_out`, if given, receives the policy's detached log-probs as the update computed them
+    (0 off the loss mask) for the metrics that scoring would have logged.
 
     Raises:
         StopRequested: in one process, a stop asked for before the first optimizer step.
@@ -186,6 +193,12 @@ def ppo_update(
     for _ in range(settings.ppo_epochs):  # a fresh shuffle per epoch, cut into minibatches
         order = torch.randperm(count, generator=generator).tolist()
         minibatches.extend(order[start * minibatch : (start + 1) * minibatch] for start in range(slots))
+    if old_logprobs is None and len(minibatches) != 1:
+        raise ValueError(
+            f"old log-probs are needed: {len(minibatches)} optimizer steps (ppo_epochs "
+            f"{settings.ppo_epochs}, minibatch_size {settings.minibatch_size}) leave the sampling "
+            "policy behind"
+        )
 
     for number, rows in enumerate(minibatches):
         last = number == len(minibatches) - 1
@@ -216,11 +229,12 @@ def ppo_update(
                 ids,
                 attention,
                 mask,
-                old_logprobs[rows_here],
+                None if old_logprobs is None else old_logprobs[rows_here],
                 advantages[rows_here],
                 None if ref_logprobs is None else ref_logprobs[rows_here],
                 settings,
                 temperature,
+                keep_logprobs=None if logprobs_out is None or empty else _writer(logprobs_out, rows_here),
             )
             loss = loss * weight
             if value_model is not None and returns is not None and old_values is not None:
@@ -246,6 +260,8 @@ def ppo_update(
         if critic_optimizer is not None and value_model is not None:
             record("ppo/critic_grad_norm", clip(value_model))
             ranks.optimizer_step(critic_optimizer, False)
+    if logprobs_out is not None:
+        logprobs_out.mul_(batch.loss_mask)
     for scheduler in schedulers:
         scheduler.step()
     metrics = {name: sums[name] / counts[name] for name in sums}
@@ -258,6 +274,13 @@ def ppo_update(
     return metrics
 
 
+def _writer(out: torch.Tensor, rows: list[int]) -> Callable[[torch.Tensor], None]:
+    def write(values: torch.Tensor) -> None:
+        out[rows] = values.to(out.dtype)
+
+    return write
+
+
 _ACTOR_STATS = ("policy_loss", "entropy", "clip_fraction", "approx_kl")
 _CRITIC_STATS = ("value_loss", "value_clip_fraction")
 
@@ -267,15 +290,24 @@ def actor_loss(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     mask: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     settings: PPOSettings,
     temperature: float = 1.0,
+    keep_logprobs: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy's loss on one micro-batch: clipped surrogate - entropy bonus (+ KL in the loss)."""
+    """The policy's loss on one micro-batch: clipped surrogate - entropy bonus (+ KL in the loss).
+
+    `old_logprobs` None: on-policy, the log-probs computed here, detached (ratio exactly 1).
+    `keep_logprobs` is called with the detached log-probs.
+    """
     logits = policy_model(input_ids=input_ids, attention_mask=attention_mask).logits
     logprobs = token_logprobs(logits, input_ids, temperature)
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+    if keep_logprobs is not None:
+        keep_logprobs(logprobs.detach())
     policy_loss, stats = clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, settings.clip_ratio, settings.loss_aggregation
     )

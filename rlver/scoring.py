@@ -4,6 +4,8 @@ The algorithm's steps 3 to 5: each dialogue scored by the reward plugins; the sa
 scored by the policy as it sampled them (eval mode: dropout off), by the frozen reference and
 by the critic; advantages estimated on per-dialogue timelines and scattered back to sequences.
 Scoring never changes a weight or an optimizer: every forward pass here runs without gradients.
+When the update is one optimizer step from the sampling policy (`on_policy_update`), the policy's
+own scoring pass is left out: the update's forward gives the same log-probs.
 """
 
 from __future__ import annotations
@@ -109,8 +111,12 @@ def score_tokens(
     reference: torch.nn.Module | None = None,
     adapter_off_reference: bool = False,
     reduce_max: Callable[[float], float] = lambda value: value,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    with_policy: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(S, L) old log-probs (the policy now), reference log-probs and old values, 0 off the loss mask.
+
+    `with_policy` False leaves the policy's own pass out (old log-probs None): the update is
+    on-policy and computes them itself.
 
     In micro-batches, with dropout off. The reference is `reference`, or with
     `adapter_off_reference` the policy with its LoRA adapter switched off (None: neither).
@@ -124,12 +130,14 @@ def score_tokens(
         for index, micro in enumerate(rows + [[0]] * padding):
             ids, attention = batch.input_ids[micro], batch.attention_mask[micro]
             if index >= len(rows):
-                policy_model(input_ids=ids, attention_mask=attention)
+                if with_policy or adapter_off_reference:
+                    policy_model(input_ids=ids, attention_mask=attention)
                 if value_model is not None:
                     value_model(ids, attention)
                 continue
-            logits = policy_model(input_ids=ids, attention_mask=attention).logits
-            old.append(token_logprobs(logits, ids, temperature))
+            if with_policy:
+                logits = policy_model(input_ids=ids, attention_mask=attention).logits
+                old.append(token_logprobs(logits, ids, temperature))
             if reference is not None:
                 logits = reference(input_ids=ids, attention_mask=attention).logits
                 ref.append(token_logprobs(logits, ids, temperature))
@@ -141,16 +149,60 @@ def score_tokens(
                 values.append(value_model(ids, attention))
     mask = batch.loss_mask.float()
     return (
-        torch.cat(old) * mask,
+        torch.cat(old) * mask if old else None,
         torch.cat(ref) * mask if ref else None,
         torch.cat(values) * mask if values else None,
     )
 
 
+def on_policy_update(
+    settings: Any, num_sequences: int, policy_model: torch.nn.Module, reduce_max: Callable
+) -> bool:
+    """Whether the update starts from exactly the policy that sampled and takes one optimizer step.
+
+    Then the old log-probs equal the update's own (detached) and the scoring pass is redundant:
+    one epoch, one minibatch on every rank (`reduce_max`: a collective, called only when the
+    minibatch size could split the batch), no KL in the reward (it needs them before the
+    advantages), and no active dropout (scoring runs in eval mode, the update in train mode).
+    """
+    if settings.ppo_epochs != 1 or (settings.kl_coef > 0 and settings.kl_mode == "in-reward"):
+        return False
+    if settings.minibatch_size and settings.minibatch_size < reduce_max(num_sequences):
+        return False
+    return not has_active_dropout(policy_model)
+
+
+def has_active_dropout(model: torch.nn.Module) -> bool:
+    """Dropout modules with p > 0, or a Hugging Face config's dropout rates above 0."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    rates = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop", "dropout")
+    return any(isinstance(getattr(config, name, 0), float) and getattr(config, name) > 0 for name in rates)
+
+
+def logprob_metrics(
+    policy_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    mask: torch.Tensor,
+    kl_estimator: str,
+    metrics: dict[str, float],
+) -> None:
+    """The policy's largest gap to the engine's log-probs (`rollout/logprob_gap`), and its KL to the
+    reference (`ppo/kl`), from the sampling policy's log-probs (scoring's, or the on-policy update's)."""
+    if not mask.any():
+        return
+    metrics["rollout/logprob_gap"] = ((policy_logprobs - engine_logprobs).abs() * mask).max().item()
+    if ref_logprobs is not None:
+        kl = kl_estimate(policy_logprobs, ref_logprobs, kl_estimator, mask)
+        metrics["ppo/kl"] = masked_mean(kl, mask).item()
+
+
 def token_advantages(
     estimator: Callable[[AdvantageBatch], Any],
     data: TrainingBatch,
-    old_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     old_values: torch.Tensor | None,
     settings: Any,
@@ -159,21 +211,21 @@ def token_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(S, L) advantages and returns (None without a critic), estimated on per-dialogue timelines.
 
-    The dialogue's reward sits on its last token; with a reference, the KL is logged and, with
-    `settings.kl_mode` in-reward, subtracted from the token rewards. Statistics the estimator
-    takes over dialogues (GRPO's groups, whitening) use `reduce_sum` to cover every rank.
+    The dialogue's reward sits on its last token; with a reference and `settings.kl_mode`
+    in-reward, the KL is subtracted from the token rewards (`logprob_metrics` logs it).
+    Statistics the estimator takes over dialogues (GRPO's groups, whitening) use `reduce_sum`
+    to cover every rank.
     """
     batch = data.batch
-    device = old_logprobs.device
     mask = batch.loss_mask
+    device = mask.device
     timeline_mask = batch.timeline_mask
     token_rewards = terminal_rewards(data.rewards.to(device), timeline_mask)
-    if ref_logprobs is not None:
+    if ref_logprobs is not None and settings.kl_mode == "in-reward":
+        if old_logprobs is None:
+            raise ValueError("a KL in the reward needs the old log-probs before the update")
         kl = kl_estimate(old_logprobs, ref_logprobs, settings.kl_estimator, mask)
-        if mask.any():
-            metrics["ppo/kl"] = masked_mean(kl, mask).item()
-        if settings.kl_mode == "in-reward":
-            token_rewards = token_rewards - settings.kl_coef * batch.to_timeline(kl)
+        token_rewards = token_rewards - settings.kl_coef * batch.to_timeline(kl)
     result = estimator(
         AdvantageBatch(
             token_rewards=token_rewards,

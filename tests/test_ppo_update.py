@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlver.batch import RolloutBatch, token_logprobs
@@ -67,3 +68,125 @@ def test_one_update_without_a_trainer_moves_log_probs_with_the_advantages():
     assert metrics["ppo/grad_norm"] > 0 and metrics["ppo/actor_lr"] == 1e-3
     assert {"ppo/policy_loss", "ppo/entropy", "ppo/approx_kl"} <= metrics.keys()
     assert "ppo/value_loss" not in metrics  # no critic
+
+
+# --------------------------------------------------------------------------- the on-policy path
+def _networks(tmp_path, algorithm: str, lora: bool, kl: bool):
+    """Policy (perturbed away from its reference when there is a KL), reference or None, critic or None."""
+    import copy
+
+    from rlver.critic import ValueModel
+    from rlver.lora import LoraSettings, add_adapter
+
+    policy = _tiny_llama()
+    reference = None
+    if kl and not lora:
+        reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    with torch.no_grad():
+        for parameter in policy.parameters():  # the policy a few updates past the reference
+            parameter.add_(0.02 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(3)))
+    if lora:
+        policy = add_adapter(policy, LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "v_proj")))
+        with torch.no_grad():  # B starts at 0: a nonzero adapter makes the adapter-off reference differ
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(std=0.1, generator=torch.Generator().manual_seed(4))
+    critic = None
+    if algorithm == "ppo":
+        folder = tmp_path / "critic-init"
+        if not folder.exists():
+            _tiny_llama().save_pretrained(folder)
+        torch.manual_seed(5)
+        critic = ValueModel(str(folder))
+    return policy, reference, critic
+
+
+def _one_update(tmp_path, algorithm, lora, kl, scored: bool):
+    from rlver.scoring import logprob_metrics, score_tokens
+
+    policy, reference, critic = _networks(tmp_path, algorithm, lora, kl)
+    generator = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 512, (5, 14), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[:, :5] = 0
+    mask[1, 10:] = 0  # a reply that ended early
+    batch = _batch(ids, mask)
+    batch.engine_logprobs = -torch.rand(ids.shape, generator=generator) * mask
+    settings = PPOSettings(micro_batch_size=2, kl_coef=0.1 if kl else 0.0, entropy_coef=0.01)
+    old, ref, values = score_tokens(
+        batch, policy, micro_batch_size=2, value_model=critic, reference=reference,
+        adapter_off_reference=lora and kl, with_policy=scored,
+    )  # fmt: skip
+    advantages = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * mask
+    returns = None if critic is None else (values + advantages) * mask
+    optimizers = [torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)]
+    if critic is not None:
+        optimizers.append(torch.optim.AdamW(critic.parameters(), lr=1e-3))
+    gradients = {}
+
+    def optimizer_step(optimizer, counts_as_global_step):
+        for name, parameter in [*policy.named_parameters(), *(critic.named_parameters() if critic else [])]:
+            if parameter.grad is not None:
+                gradients[name] = parameter.grad.clone()
+        optimizer.step()
+
+    policy_logprobs = None if scored else torch.zeros(ids.shape)
+    metrics = ppo_update(
+        batch, old, ref, advantages, values, returns,
+        policy_model=policy, actor_optimizer=optimizers[0], value_model=critic,
+        critic_optimizer=optimizers[1] if critic is not None else None, settings=settings, step=0,
+        lockstep=Lockstep(optimizer_step=optimizer_step), logprobs_out=policy_logprobs,
+    )  # fmt: skip
+    logprob_metrics(old if scored else policy_logprobs, batch.engine_logprobs, ref, mask, "k3", metrics)
+    weights = {name: parameter.detach().clone() for name, parameter in policy.named_parameters()}
+    return metrics, gradients, weights, old if scored else policy_logprobs
+
+
+@pytest.mark.parametrize("kl", [False, True], ids=["no-kl", "kl"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(tmp_path, algorithm, lora, kl):
+    """One optimizer step from the sampling policy: the update's own detached log-probs stand in
+    for the scoring pass's; loss, gradients, weights after the step and logged metrics agree."""
+    scored = _one_update(tmp_path, algorithm, lora, kl, scored=True)
+    unscored = _one_update(tmp_path, algorithm, lora, kl, scored=False)
+    metrics, gradients, weights, logprobs = scored
+    metrics_b, gradients_b, weights_b, logprobs_b = unscored
+    torch.testing.assert_close(logprobs_b, logprobs, atol=1e-5, rtol=0)
+    assert metrics.keys() == metrics_b.keys()
+    assert ("ppo/kl" in metrics) == kl and ("ppo/value_loss" in metrics) == (algorithm == "ppo")
+    for name, value in metrics.items():
+        assert metrics_b[name] == pytest.approx(value, abs=1e-5, rel=1e-4), name
+    assert metrics_b["ppo/clip_fraction"] == 0.0 and metrics_b["ppo/approx_kl"] == 0.0  # ratio exactly 1
+    assert gradients.keys() == gradients_b.keys() and gradients
+    for name in gradients:
+        torch.testing.assert_close(gradients_b[name], gradients[name], atol=1e-6, rtol=1e-4)
+    for name in weights:
+        torch.testing.assert_close(weights_b[name], weights[name], atol=1e-6, rtol=1e-5)
+
+
+def test_several_optimizer_steps_keep_the_scoring_pass():
+    from rlver.scoring import has_active_dropout, on_policy_update
+
+    model = _tiny_llama()
+    one_step = PPOSettings()
+    assert on_policy_update(one_step, 8, model, lambda value: value)
+    assert not on_policy_update(PPOSettings(ppo_epochs=2), 8, model, lambda value: value)
+    assert not on_policy_update(PPOSettings(minibatch_size=4), 8, model, lambda value: value)
+    # the fullest rank decides: 4 here, 9 on another rank
+    assert not on_policy_update(PPOSettings(minibatch_size=8), 4, model, lambda value: max(value, 9))
+    assert on_policy_update(PPOSettings(minibatch_size=8), 4, model, lambda value: max(value, 8))
+    in_reward = PPOSettings(kl_coef=0.1, kl_mode="in-reward")
+    assert not on_policy_update(in_reward, 8, model, lambda value: value)  # the KL enters the advantages
+    assert not has_active_dropout(model)
+    model.config.attention_dropout = 0.1  # train-mode log-probs differ from the sampling policy's
+    assert has_active_dropout(model) and not on_policy_update(one_step, 8, model, lambda value: value)
+
+    ids = torch.randint(0, 512, (4, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with pytest.raises(ValueError, match="old log-probs are needed: 2 optimizer steps"):
+        ppo_update(
+            _batch(ids, mask), None, None, mask.float(), None, None,
+            policy_model=_tiny_llama(), actor_optimizer=torch.optim.SGD(_tiny_llama().parameters(), lr=0.1),
+            settings=PPOSettings(ppo_epochs=2), step=0,
+        )  # fmt: skip

@@ -163,6 +163,10 @@ def test_old_logprobs_are_scored_with_dropout_off(small_vocab_model):
     old, _, values = module._score_tokens(batch)
     torch.testing.assert_close(old, evaluated)
     assert values is not None and model.training and module.value_model.training  # modes restored
+    from rlver.scoring import on_policy_update
+
+    # the update's train-mode log-probs are not the sampling policy's: the scoring pass stays
+    assert not on_policy_update(module.ppo, 1, model, lambda value: value)
 
 
 def test_rollouts_with_an_engine_of_its_own_run_outside_autocast(small_vocab_model):
