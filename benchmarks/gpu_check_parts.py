@@ -206,17 +206,30 @@ class PhaseProbe(L.Callback):
         runner = pl_module.runner
         runner.run = self._measured("rollout", runner.run)
         runner.engine.sync_weights = self._measured("sync", runner.engine.sync_weights)
-        pl_module._update = self._measured("update", pl_module._update)
+        update = self._measured("update", pl_module._update)
         score = self._measured("scoring", pl_module._score_tokens)
 
-        def score_and_compare(batch: Any) -> Any:
-            scored = score(batch)
+        def compare(logprobs: torch.Tensor, batch: Any) -> None:
             if "logprob_gap" not in self.record:
-                self.record["logprob_gap"] = bucket_gaps(scored[0], batch.engine_logprobs, batch.loss_mask)
+                self.record["logprob_gap"] = bucket_gaps(logprobs, batch.engine_logprobs, batch.loss_mask)
                 self.record["sequence_tokens"] = int(batch.attention_mask.sum(dim=1).max())
+
+        # The trainer's log-probs of the sampled tokens come from scoring, or, when the update is
+        # one step from the sampling policy, from the update's own forward (`logprobs_out`).
+        def score_and_compare(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            scored = score(batch, *args, **kwargs)
+            if scored[0] is not None:
+                compare(scored[0], batch)
             return scored
 
+        def update_and_compare(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            metrics = update(batch, *args, **kwargs)
+            if kwargs.get("logprobs_out") is not None:
+                compare(kwargs["logprobs_out"], batch)
+            return metrics
+
         pl_module._score_tokens = score_and_compare
+        pl_module._update = update_and_compare
         trainer.save_checkpoint = self._measured("checkpoint", trainer.save_checkpoint)
 
     def on_train_batch_end(
