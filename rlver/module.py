@@ -359,6 +359,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
             adapter_off_reference=self.lora is not None and self.ppo.kl_coef > 0,
             reduce_max=self._reduce_max,
             with_policy=with_policy,
+            head_at_loss_positions=self.ppo.head_at_loss_positions,
         )
 
     def _update(

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from rlver.batch import RolloutBatch, micro_batches, token_logprobs
+from rlver.batch import RolloutBatch, micro_batches
 from rlver.grad_clip import clip_grad_norm
+from rlver.loss_positions import policy_logprobs
 from rlver.rl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     clipped_policy_loss,
     clipped_value_loss,
-    entropy_from_logits,
     kl_estimate,
     loss_weight,
     masked_mean,
@@ -48,6 +48,8 @@ class PPOSettings:
         kl_coef: Weight of the KL to the frozen reference policy (0: no reference model).
         kl_estimator: k1 or k3.
         kl_mode: in-loss (a loss term) or in-reward (subtracted from token rewards).
+        head_at_loss_positions: Evaluate the language-model head only at the positions the loss
+            reads (False: at every position, as rlver did before; kept for comparison).
     """
 
     ppo_epochs: int = 1
@@ -61,6 +63,7 @@ class PPOSettings:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_mode: str = "in-loss"
+    head_at_loss_positions: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -302,19 +305,16 @@ def actor_loss(
     `old_logprobs` None: on-policy, the log-probs computed here, detached (ratio exactly 1).
     `keep_logprobs` is called with the detached log-probs.
     """
-    logits = policy_model(input_ids=input_ids, attention_mask=attention_mask).logits
-    logprobs = token_logprobs(logits, input_ids, temperature)
+    logprobs, entropy = policy_logprobs(
+        policy_model, input_ids, attention_mask, mask, temperature, with_entropy=True,
+        head_at_loss_positions=settings.head_at_loss_positions,
+    )  # fmt: skip
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
     if keep_logprobs is not None:
         keep_logprobs(logprobs.detach())
     policy_loss, stats = clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, settings.clip_ratio, settings.loss_aggregation
-    )
-    # Entropy only where the policy acted: logits at t - 1 produce token t.
-    acting = mask[:, 1:].bool()
-    entropy = (
-        entropy_from_logits(logits[:, :-1][acting], temperature).mean() if acting.any() else logits.sum() * 0
     )
     loss = policy_loss - settings.entropy_coef * entropy
     metrics = {

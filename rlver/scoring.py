@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from rlver.batch import RolloutBatch, build_batch, micro_batches, placeholder_batch, token_logprobs
+from rlver.batch import RolloutBatch, build_batch, micro_batches, placeholder_batch
 from rlver.interfaces import AdvantageBatch
 from rlver.lora import adapter_disabled
+from rlver.loss_positions import policy_logprobs
 from rlver.rl.advantages import terminal_rewards
 from rlver.rl.losses import explained_variance, kl_estimate, masked_mean
 from rlver.rollout import Trajectory
@@ -112,6 +113,7 @@ def score_tokens(
     adapter_off_reference: bool = False,
     reduce_max: Callable[[float], float] = lambda value: value,
     with_policy: bool = True,
+    head_at_loss_positions: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(S, L) old log-probs (the policy now), reference log-probs and old values, 0 off the loss mask.
 
@@ -128,23 +130,21 @@ def score_tokens(
         rows = list(micro_batches(range(batch.num_sequences), micro_batch_size))
         padding = int(reduce_max(len(rows))) - len(rows)
         for index, micro in enumerate(rows + [[0]] * padding):
-            ids, attention = batch.input_ids[micro], batch.attention_mask[micro]
+            ids, attention, loss = batch.input_ids[micro], batch.attention_mask[micro], batch.loss_mask[micro]
             if index >= len(rows):
                 if with_policy or adapter_off_reference:
                     policy_model(input_ids=ids, attention_mask=attention)
                 if value_model is not None:
                     value_model(ids, attention)
                 continue
+            scored = (ids, attention, loss, temperature, False, head_at_loss_positions)
             if with_policy:
-                logits = policy_model(input_ids=ids, attention_mask=attention).logits
-                old.append(token_logprobs(logits, ids, temperature))
+                old.append(policy_logprobs(policy_model, *scored)[0])
             if reference is not None:
-                logits = reference(input_ids=ids, attention_mask=attention).logits
-                ref.append(token_logprobs(logits, ids, temperature))
+                ref.append(policy_logprobs(reference, *scored)[0])
             elif adapter_off_reference:
                 with adapter_disabled(policy_model):
-                    logits = policy_model(input_ids=ids, attention_mask=attention).logits
-                ref.append(token_logprobs(logits, ids, temperature))
+                    ref.append(policy_logprobs(policy_model, *scored)[0])
             if value_model is not None:
                 values.append(value_model(ids, attention))
     mask = batch.loss_mask.float()

@@ -101,7 +101,7 @@ def _networks(tmp_path, algorithm: str, lora: bool, kl: bool):
     return policy, reference, critic
 
 
-def _one_update(tmp_path, algorithm, lora, kl, scored: bool):
+def _one_update(tmp_path, algorithm, lora, kl, scored: bool, head_at_loss_positions: bool = True):
     from rlver.scoring import logprob_metrics, score_tokens
 
     policy, reference, critic = _networks(tmp_path, algorithm, lora, kl)
@@ -112,10 +112,13 @@ def _one_update(tmp_path, algorithm, lora, kl, scored: bool):
     mask[1, 10:] = 0  # a reply that ended early
     batch = _batch(ids, mask)
     batch.engine_logprobs = -torch.rand(ids.shape, generator=generator) * mask
-    settings = PPOSettings(micro_batch_size=2, kl_coef=0.1 if kl else 0.0, entropy_coef=0.01)
+    settings = PPOSettings(
+        micro_batch_size=2, kl_coef=0.1 if kl else 0.0, entropy_coef=0.01,
+        head_at_loss_positions=head_at_loss_positions,
+    )  # fmt: skip
     old, ref, values = score_tokens(
         batch, policy, micro_batch_size=2, value_model=critic, reference=reference,
-        adapter_off_reference=lora and kl, with_policy=scored,
+        adapter_off_reference=lora and kl, with_policy=scored, head_at_loss_positions=head_at_loss_positions,
     )  # fmt: skip
     advantages = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * mask
     returns = None if critic is None else (values + advantages) * mask
@@ -145,11 +148,17 @@ def _one_update(tmp_path, algorithm, lora, kl, scored: bool):
 @pytest.mark.parametrize("kl", [False, True], ids=["no-kl", "kl"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(tmp_path, algorithm, lora, kl):
+@pytest.mark.parametrize("head", ["every-position", "loss-positions"])
+def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(
+    tmp_path, algorithm, lora, kl, head
+):
     """One optimizer step from the sampling policy: the update's own detached log-probs stand in
-    for the scoring pass's; loss, gradients, weights after the step and logged metrics agree."""
-    scored = _one_update(tmp_path, algorithm, lora, kl, scored=True)
-    unscored = _one_update(tmp_path, algorithm, lora, kl, scored=False)
+    for the scoring pass's; loss, gradients, weights after the step and logged metrics agree with
+    the path rlver took before (a scoring pass, the head at every position)."""
+    scored = _one_update(tmp_path, algorithm, lora, kl, scored=True, head_at_loss_positions=False)
+    unscored = _one_update(
+        tmp_path, algorithm, lora, kl, scored=False, head_at_loss_positions=head != "every-position"
+    )
     metrics, gradients, weights, logprobs = scored
     metrics_b, gradients_b, weights_b, logprobs_b = unscored
     torch.testing.assert_close(logprobs_b, logprobs, atol=1e-5, rtol=0)
@@ -190,3 +199,61 @@ def test_several_optimizer_steps_keep_the_scoring_pass():
             policy_model=_tiny_llama(), actor_optimizer=torch.optim.SGD(_tiny_llama().parameters(), lr=0.1),
             settings=PPOSettings(ppo_epochs=2), step=0,
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the head where the loss reads
+def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads():
+    from rlver.batch import token_logprobs
+    from rlver.loss_positions import loss_positions, policy_logprobs
+    from rlver.rl.losses import entropy_from_logits
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 512, (3, 16), generator=torch.Generator().manual_seed(2))
+    attention = torch.ones_like(ids)
+    mask = torch.zeros_like(ids)
+    mask[0, 5:9] = 1  # different replies in different rows: the head runs at their union only
+    mask[1, 12:] = 1
+    assert loss_positions(mask).tolist() == [4, 5, 6, 7, 11, 12, 13, 14]
+    for temperature in (1.0, 0.7):
+        full = model(input_ids=ids, attention_mask=attention).logits
+        expected = token_logprobs(full, ids, temperature) * mask
+        expected_entropy = entropy_from_logits(full[:, :-1][mask[:, 1:].bool()], temperature).mean()
+        got, entropy = policy_logprobs(model, ids, attention, mask, temperature, with_entropy=True)
+        torch.testing.assert_close(got * mask, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+        assert (got[:, :5] == 0).all()  # no row's loss reads before position 5: never computed
+
+    calls = []
+    model.lm_head.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[1]))
+    policy_logprobs(model, ids, attention, mask)
+    assert calls == [8]  # 8 of 15 positions went through the head
+
+
+def test_a_model_without_logits_to_keep_gets_every_positions_head_and_a_placeholder_keeps_the_head_in_the_graph():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlver.batch import token_logprobs
+    from rlver.loss_positions import accepts_logits_to_keep, policy_logprobs
+
+    class PlainForward(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    model = _tiny_llama()
+    assert accepts_logits_to_keep(model) and not accepts_logits_to_keep(PlainForward(model))
+    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(3))
+    attention, mask = torch.ones_like(ids), torch.ones_like(ids)
+    got, _ = policy_logprobs(PlainForward(model), ids, attention, mask)
+    torch.testing.assert_close(got, token_logprobs(model(input_ids=ids).logits, ids), atol=1e-5, rtol=0)
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
+    untied = LlamaForCausalLM(config)
+    placeholder = torch.zeros_like(ids)  # nothing to learn, the collectives still run
+    logprobs, entropy = policy_logprobs(untied, ids % 64, attention, placeholder, with_entropy=True)
+    ((logprobs * placeholder).sum() + entropy).backward()
+    assert untied.lm_head.weight.grad is not None  # every rank's backward reaches the same parameters
