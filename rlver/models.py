@@ -10,6 +10,7 @@ and so does a hub id where the network allows.
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import os
 import shutil
@@ -84,6 +85,25 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@contextmanager
+def _gguf_progress_bar_off():
+    """transformers' GGUF reader draws its own tqdm bar, deaf to its progress-bar switch: in a log
+    file that is dozens of lines. Lent a silenced tqdm for the conversion."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_reader, "tqdm", None)
+    if bar is not None:
+        gguf_reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_reader.tqdm = bar
+
+
 def _convert_gguf(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -95,13 +115,14 @@ def _convert_gguf(target: Path) -> None:
     if not (Path(package_dir) / _GGUF_FILE).is_file():
         raise ModelError(f"{package_dir}: {_GGUF_FILE} is missing from the {_GGUF_DISTRIBUTION} package")
     note(f"converting the embedded SmolLM2 weights into {target} (once, about 20 s)")
-    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(
-        package_dir,
-        gguf_file=_GGUF_FILE,
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=torch.float32,
-    )
+    with _gguf_progress_bar_off():
+        tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(
+            package_dir,
+            gguf_file=_GGUF_FILE,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
     # Dense weights now: drop any trace of the GGUF quantisation so the folder loads plainly.
     for attribute in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(model.config, attribute):
