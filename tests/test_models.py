@@ -11,7 +11,11 @@ import pytest
 
 from tests.conftest import REPO
 
-CONVERT = "from rlver.models import embedded_model_folder; print(embedded_model_folder())"
+# As `rlver` runs it: the libraries' chatter and bars quieted first (rlver.console).
+CONVERT = (
+    "from rlver.console import quiet_libraries; quiet_libraries(); "
+    "from rlver.models import embedded_model_folder; print(embedded_model_folder())"
+)
 
 
 @pytest.mark.slow
