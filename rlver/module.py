@@ -363,37 +363,20 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         )
 
     def _update(
-        self,
-        batch: RolloutBatch,
-        old_logprobs: torch.Tensor | None,
-        ref_logprobs: torch.Tensor | None,
-        advantages: torch.Tensor,
-        old_values: torch.Tensor | None,
-        returns: torch.Tensor | None,
-        step: int,
-        logprobs_out: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+        self, batch: RolloutBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor | None,
+        step: int, logprobs_out: torch.Tensor | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """`ppo_update` with this module's networks, optimizers, schedulers and ranks."""
-        optimizers = self._optimizer_list()
-        schedulers = self.lr_schedulers()
+        optimizers, schedulers = self._optimizer_list(), self.lr_schedulers()
         return ppo_update(
-            batch,
-            old_logprobs,
-            ref_logprobs,
-            advantages,
-            old_values,
-            returns,
-            policy_model=self.policy_model,
-            actor_optimizer=optimizers[0],
-            value_model=self.value_model,
+            batch, old_logprobs, ref_logprobs, advantages, old_values, returns,
+            policy_model=self.policy_model, actor_optimizer=optimizers[0], value_model=self.value_model,
             critic_optimizer=optimizers[1] if len(optimizers) > 1 else None,
             schedulers=schedulers if isinstance(schedulers, list) else [schedulers],
-            settings=self.ppo,
-            step=step,
-            temperature=self.rollout_settings.temperature or 1.0,
-            lockstep=ranks.lockstep(self),
-            logprobs_out=logprobs_out,
-        )
+            settings=self.ppo, step=step, temperature=self.rollout_settings.temperature or 1.0,
+            lockstep=ranks.lockstep(self), logprobs_out=logprobs_out,
+        )  # fmt: skip
 
     def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:
         if counts_as_global_step:
