@@ -100,12 +100,17 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 
     Uses logits / temperature, matching what the engines report for sampled tokens.
     """
-    logits = logits[:, :-1].float()
+    picked = target_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(S, K) float32 log-prob of `targets` under softmax(logits / temperature), logits (S, K, V)."""
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    # gather - logsumexp avoids materialising a second (S, L, V) tensor of log-probs.
-    picked = logits.gather(2, input_ids[:, 1:, None]).squeeze(2) - torch.logsumexp(logits, dim=-1)
-    return torch.nn.functional.pad(picked, (1, 0))
+    # gather - logsumexp avoids materialising a second (S, K, V) tensor of log-probs.
+    return logits.gather(2, targets[..., None]).squeeze(2) - torch.logsumexp(logits, dim=-1)
 
 
 def placeholder_batch(pad_id: int) -> RolloutBatch:

@@ -15,6 +15,7 @@ import inspect
 
 import torch
 
+from rlver.batch import target_logprobs
 from rlver.rl.losses import entropy_from_logits
 
 
@@ -68,12 +69,7 @@ def policy_logprobs(
     else:
         positions = loss_positions(mask)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits
-    scaled = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        scaled = scaled / temperature
-    targets = input_ids[:, positions + 1]
-    # gather - logsumexp avoids materialising a second (S, K, V) tensor of log-probs.
-    picked = scaled.gather(2, targets[..., None]).squeeze(2) - torch.logsumexp(scaled, dim=-1)
+    picked = target_logprobs(logits, input_ids[:, positions + 1], temperature)
     logprobs = torch.zeros(rows, width, dtype=picked.dtype, device=picked.device)
     logprobs = logprobs.index_copy(1, positions + 1, picked)
     if not with_entropy:
