@@ -32,6 +32,39 @@ def _share_the_cores_between_workers():
 
 _share_the_cores_between_workers()
 
+# The files that take longest (seconds of one worker in a whole run, docs/performance.md), so
+# that they start first: xdist hands out whole files (`--dist loadfile`) in collection order
+# (`--no-loadscope-reorder`; by default it orders them by how many tests they hold, which put
+# the four-test chaos file last), and a long file started late leaves the other workers idle
+# at the end. A file not named here runs after these, in its usual order; a stale list costs
+# minutes, never a result.
+LONGEST_FIRST = [
+    "test_chaos.py",
+    "test_multiprocess.py",
+    "test_sage_user.py",
+    "test_recipe_twins.py",
+    "test_lora.py",
+    "test_train.py",
+    "test_engines.py",
+    "test_stopping.py",
+    "test_cli.py",
+    "test_sentient.py",
+    "test_console.py",
+    "test_faults.py",
+    "test_rollout.py",
+    "test_packaging.py",
+    "test_gpu_check.py",
+    "test_fuzz.py",
+    "test_models.py",
+    "test_agreement.py",
+    "test_distributed.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: tests keep their order
+
 
 @pytest.fixture(scope="session")
 def policy():

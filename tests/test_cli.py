@@ -1,4 +1,9 @@
-"""The `rlver` command: help, errors that name the flag, and a real rollout."""
+"""The `rlver` command: help, errors that name the flag, and a real rollout.
+
+The error paths run `main` in this process (they end before any model loads; a fresh interpreter
+only added its ~7 s of imports to each); one of them stays a real `rlver` process, so the exit
+status and the absence of a traceback are also checked where a user sees them.
+"""
 
 import json
 import re
@@ -6,7 +11,23 @@ import re
 import pytest
 
 from rlver.cli import main
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
+
+
+@pytest.fixture
+def rlver(capsys, monkeypatch):
+    """`rlver <args>` through `main` in this process, from the repo root: (status, stdout, stderr)."""
+    monkeypatch.chdir(REPO)
+
+    def run(*args):
+        try:
+            status = main([str(a) for a in args])
+        except SystemExit as exit:  # jsonargparse's --help
+            status = exit.code
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
+
+    return run
 
 
 def test_help_and_unknown_command(capsys):
@@ -16,11 +37,11 @@ def test_help_and_unknown_command(capsys):
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
 
 
-def test_rollout_help_lists_the_options():
-    result = run_cli("rollout", "--help")
-    assert result.returncode == 0
+def test_rollout_help_lists_the_options(rlver):
+    status, out, _ = rlver("rollout", "--help")
+    assert status == 0
     for flag in ("--model.simulator", "--model.rollout.max_turns", "--data.batch_size", "--limit", "--out"):
-        assert flag in result.stdout
+        assert flag in out
 
 
 def test_unknown_simulator_is_one_clear_error(tmp_path):
@@ -40,49 +61,49 @@ def test_unknown_simulator_is_one_clear_error(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_bad_rollout_setting_names_the_flag(tmp_path):
-    result = run_cli(
+def test_bad_rollout_setting_names_the_flag(tmp_path, rlver):
+    status, _, err = rlver(
         "rollout",
         "--config",
         "recipes/quickstart.yaml",
         "--out",
-        str(tmp_path / "t.jsonl"),
+        tmp_path / "t.jsonl",
         "--model.rollout.max_turns",
         "0",
     )
-    assert result.returncode == 2
-    assert "--model.rollout: max_turns (0) must be >= 1" in result.stderr
+    assert status == 2
+    assert "--model.rollout: max_turns (0) must be >= 1" in err
 
 
-def test_bad_profile_file_names_file_and_line(tmp_path):
+def test_bad_profile_file_names_file_and_line(tmp_path, rlver):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1}\n')
-    result = run_cli(
+    status, _, err = rlver(
         "rollout",
         "--config",
         "recipes/quickstart.yaml",
         "--out",
-        str(tmp_path / "t.jsonl"),
+        tmp_path / "t.jsonl",
         "--data.test_files",
         json.dumps([str(bad)]),
     )
-    assert result.returncode == 2
-    assert f"{bad}:1: field 'id': expected a string, got int" in result.stderr
+    assert status == 2
+    assert f"{bad}:1: field 'id': expected a string, got int" in err
 
 
-def test_unknown_model_folder_is_reported(tmp_path):
+def test_unknown_model_folder_is_reported(tmp_path, rlver):
     (tmp_path / "model").mkdir()
-    result = run_cli(
+    status, _, err = rlver(
         "rollout",
         "--config",
         "recipes/quickstart.yaml",
         "--out",
-        str(tmp_path / "t.jsonl"),
+        tmp_path / "t.jsonl",
         "--model.policy",
-        str(tmp_path / "model"),
+        tmp_path / "model",
     )
-    assert result.returncode == 2
-    assert "not a Hugging Face model folder (no config.json)" in result.stderr
+    assert status == 2
+    assert "not a Hugging Face model folder (no config.json)" in err
 
 
 @pytest.mark.slow

@@ -321,11 +321,23 @@ def test_two_process_resume_from_last_is_exact(tmp_path, tiny_model_dir, server)
         assert texts[0] == texts[1]
 
 
-def test_a_sharded_checkpoint_exports_and_talks(tmp_path, tiny_model_dir, server):
-    """FSDP writes last.ckpt as a folder of shards: export and rollout read it in one process."""
+def test_fsdp_twin_syncs_gathered_weights_into_each_ranks_vllm_and_its_checkpoint_exports_and_talks(
+    tmp_path, tiny_model_dir, server
+):
+    """The paper's engine under the paper's strategy: sharded weights gathered, pushed into vLLM.
+    FSDP writes last.ckpt as a folder of shards: export and rollout read it in one process (one
+    2-rank run serves both checks: they were two runs of the same shape)."""
     lay_out_data(tmp_path)
-    config = twin_config("grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=1)
+    config = twin_config(
+        "grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=2, vllm=True, float32_compute=True
+    )
     run_fit(tmp_path, "--config", config)
+    per_rank = digests(tmp_path)
+    assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
+    scalars = read_scalars(tmp_path / "runs" / "grpo_nothink" / "tensorboard")
+    # Step 1 samples from weights gathered out of FSDP shards after an update.
+    assert max(scalars["rollout/logprob_gap"]) < 1e-3, scalars["rollout/logprob_gap"]
+
     checkpoint = tmp_path / "runs" / "grpo_nothink" / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir()
     state = read_checkpoint_state(checkpoint)["state_dict"]
@@ -355,20 +367,6 @@ def test_a_sharded_checkpoint_exports_and_talks(tmp_path, tiny_model_dir, server
     assert result.returncode == 0, result.stderr[-2000:]
     (record,) = [json.loads(line) for line in (tmp_path / "talk.jsonl").read_text().splitlines()]
     assert record["model"].endswith(f"@{checkpoint}")
-
-
-def test_fsdp_twin_syncs_gathered_weights_into_each_ranks_vllm(tmp_path, tiny_model_dir, server):
-    """The paper's engine under the paper's strategy: sharded weights gathered, pushed into vLLM."""
-    lay_out_data(tmp_path)
-    config = twin_config(
-        "grpo_nothink", tmp_path, tiny_model_dir, server.url, steps=2, vllm=True, float32_compute=True
-    )
-    run_fit(tmp_path, "--config", config)
-    per_rank = digests(tmp_path)
-    assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
-    scalars = read_scalars(tmp_path / "runs" / "grpo_nothink" / "tensorboard")
-    # Step 1 samples from weights gathered out of FSDP shards after an update.
-    assert max(scalars["rollout/logprob_gap"]) < 1e-3, scalars["rollout/logprob_gap"]
 
 
 def test_fsdp2_twin_trains_on_two_processes(tmp_path, tiny_model_dir, server):
