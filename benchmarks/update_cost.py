@@ -1,11 +1,12 @@
 """The update's cost per trained token: the path rlver took before against today's, side by side.
 
 "before": a scoring pass over every sequence for the old log-probs, then the training pass, the
-language-model head at every position in both. "today": one optimizer step from the sampling
-policy takes the training pass's own log-probs (no scoring pass), and the head runs only at the
-positions the loss reads. Both run `score_tokens` + `ppo_update` (GRPO, one epoch, one minibatch,
-micro-batches of 4 as the recipes) on the same synthetic batch, each path in its own process so
-its peak RSS is its own:
+language-model head at every position in both, its float32 log-softmax in one pass. "today": one
+optimizer step from the sampling policy takes the training pass's own log-probs (no scoring pass),
+the head runs only at the positions the loss reads, and the float32 maths over the vocabulary runs
+1,024 rows at a time, recomputed in the backward (rlver.batch.in_vocab_chunks). Both run
+`score_tokens` + `ppo_update` (GRPO, one epoch, one minibatch, micro-batches of 4 as the recipes)
+on the same synthetic batch, each path in its own process so its peak RSS is its own:
 
     .venv/bin/python benchmarks/update_cost.py                 # both shapes, both paths, a table
 
@@ -84,6 +85,14 @@ def run_one(shape: str, path: str, repeats: int) -> dict:
     vocab = model.config.vocab_size
     batch = build_batch(shape, vocab)
     before = path == "before"
+    if before:  # the vocabulary maths in one float32 pass over every kept position, as it was
+        import rlver.batch
+        import rlver.loss_positions
+
+        def one_pass(fn, logits, *aligned, dim, **options):
+            return fn(logits, *aligned, **options)
+
+        rlver.batch.in_vocab_chunks = rlver.loss_positions.in_vocab_chunks = one_pass
     settings = PPOSettings(micro_batch_size=SHAPES[shape]["micro"], head_at_loss_positions=not before)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     advantages = (

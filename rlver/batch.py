@@ -10,12 +10,16 @@ so values can be gathered from, and advantages scattered back to, sequences.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from rlver.rollout import Trajectory
+from rlver.training_shape import VOCAB_ROWS_PER_CHUNK
 
 
 @dataclass
@@ -104,13 +108,47 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.nn.functional.pad(picked, (1, 0))
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(S, K) float32 log-prob of `targets` under softmax(logits / temperature), logits (S, K, V)."""
+def in_vocab_chunks(
+    fn: Callable[..., torch.Tensor], logits: torch.Tensor, *aligned: torch.Tensor, dim: int, **options: Any
+) -> torch.Tensor:
+    """`fn(logits_part, *aligned_parts, **options)` over slices of `logits` (and of the tensors
+    aligned with it) along `dim`, each slice at most VOCAB_ROWS_PER_CHUNK rows of the vocabulary,
+    the results concatenated along `dim`.
+
+    `fn` casts to float32 and reduces over the vocabulary; only one slice's float32 copy and
+    temporaries are alive at a time. Under autograd each slice is recomputed in the backward
+    (torch.utils.checkpoint) instead of keeping its float32 copy for it, so the saved state is the
+    logits alone, in their own dtype. `torch.split`'s backward assembles the slices' gradients
+    into one logits-sized tensor once (slicing by index would allocate one per slice).
+    """
+    rows_per_index = math.prod(logits.shape[:dim])
+    step = max(1, VOCAB_ROWS_PER_CHUNK // max(1, rows_per_index))
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    pieces = []
+    for parts in zip(logits.split(step, dim=dim), *(t.split(step, dim=dim) for t in aligned), strict=True):
+        if recompute:
+            pieces.append(
+                torch.utils.checkpoint.checkpoint(
+                    fn, *parts, use_reentrant=False, preserve_rng_state=False, **options
+                )
+            )  # nothing random to replay
+        else:
+            pieces.append(fn(*parts, **options))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     # gather - logsumexp avoids materialising a second (S, K, V) tensor of log-probs.
     return logits.gather(2, targets[..., None]).squeeze(2) - torch.logsumexp(logits, dim=-1)
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(S, K) float32 log-prob of `targets` under softmax(logits / temperature), logits (S, K, V),
+    computed over chunks of positions (`in_vocab_chunks`)."""
+    return in_vocab_chunks(_picked_logprobs, logits, targets, dim=1, temperature=temperature)
 
 
 def placeholder_batch(pad_id: int) -> RolloutBatch:

@@ -15,8 +15,7 @@ import inspect
 
 import torch
 
-from rlver.batch import target_logprobs
-from rlver.rl.losses import entropy_from_logits
+from rlver.batch import in_vocab_chunks, target_logprobs
 
 
 def loss_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -69,11 +68,26 @@ def policy_logprobs(
     else:
         positions = loss_positions(mask)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits
-    picked = target_logprobs(logits, input_ids[:, positions + 1], temperature)
+    targets = input_ids[:, positions + 1]
+    if with_entropy:  # both from one pass over each chunk: one gradient of the logits, not two
+        both = in_vocab_chunks(_logprobs_and_entropy, logits, targets, dim=1, temperature=temperature)
+        picked, entropy = both.unbind(-1)
+    else:
+        picked, entropy = target_logprobs(logits, targets, temperature), None
     logprobs = torch.zeros(rows, width, dtype=picked.dtype, device=picked.device)
     logprobs = logprobs.index_copy(1, positions + 1, picked)
-    if not with_entropy:
+    if entropy is None:
         return logprobs, None
     acting = mask[:, positions + 1].bool()  # entropy only where the policy acted
-    entropy = entropy_from_logits(logits[acting], temperature).mean() if acting.any() else logits.sum() * 0
-    return logprobs, entropy
+    return logprobs, entropy[acting].mean() if acting.any() else logits.sum() * 0
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(S, K, 2): the targets' log-probs and each position's entropy under softmax(logits / temperature)."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    picked = log_probs.gather(2, targets[..., None]).squeeze(2)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return torch.stack((picked, entropy), dim=-1)

@@ -32,16 +32,18 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
 - scoring (old log-probs and values, no grad, per micro-batch): resident + engine asleep +
   gathered units in c: the roots of the policy and critic (FSDP1 keeps a root's parameters
   gathered after its forward) and one decoder layer; the live hidden states of one layer
-  S x L x (2h + 3I) x c; the logits S x L x V x c, their float32 copy and the log-softmax
-  temporary (S x L x V x 4 each).
+  S x L x (2h + 3I) x c; the logits S x L x V x c and one chunk's float32 copy and log-softmax
+  temporary (B x V x 4 each, B = min(S x L, 1,024) rows: rlver.batch.in_vocab_chunks).
 - update (one micro-batch, at the start of the backward): resident + engine asleep + gathered
   roots and two decoder layers in c (the one in backward and the prefetched next) + activations
   of the policy and the critic (one backward for both): with `gradient_checkpointing` each layer's
   input S x L x h x c per layer and model plus one recomputed layer S x L x (8h + c(6h + 3k + 4I))
   (float32 RMSNorm inputs, q/k/v before and after RoPE, attention output, MLP gate/up/act/product),
-  without it that layer size x layers x models; the logits S x L x V x c, their float32 copy and
-  its gradient (S x L x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and
-  probabilities (S x L x V x 4 each, every position counted); the unsharded c gradients of the
+  without it that layer size x layers x models; the logits S x L x V x c and their gradient (in c),
+  and one chunk recomputed in the backward: its float32 copy, log-softmax temporary and gradient
+  (B x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and probabilities
+  (B x V x 4 each); the head counted at every position (the loss reads fewer: an upper bound);
+  the unsharded c gradients of the
   largest unit (the policy's root) before their reduce-scatter.
 - sync (weights into the engine): resident + the engine's weights awake alone (P x e) + one unit
   streamed: the largest unit gathered in m (summon_full_params gives master weights) and its cast
@@ -55,8 +57,8 @@ float32 weights, CUDA graphs beyond vLLM's budget, LoRA dropout copies.
 
 Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 80 GiB; tests/test_plan.py
 repeats it): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; rollout 7.8 + 0.8 x 80 = 71.8;
-scoring 37.5 (logits 2 x 8192 x 152064 x 10 B = 23.2); update 66.1 (logits 41.8, checkpointed
-activations 9.6, gathered 3.9); sync 28.1; checkpoint 8.8.
+scoring 20.1 (logits 2 x 8192 x 152064 x 2 B + 1024 x 152064 x 8 B = 5.8); update 36.5 (logits
+12.2, checkpointed activations 9.6, gathered 3.9); sync 28.1; checkpoint 8.8.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlver.architectures import Architecture, resolve_architecture
-from rlver.training_shape import GIB, TrainingShape, shape_from_recipe, shape_from_run
+from rlver.training_shape import GIB, VOCAB_ROWS_PER_CHUNK, TrainingShape, shape_from_recipe, shape_from_run
 
 CUDA_CONTEXT = 1 * GIB  # the trainer's CUDA context and caching allocator
 ENGINE_ASLEEP = 1 * GIB  # what a level-2 sleeping vLLM keeps
@@ -173,12 +175,13 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     roots = (policy_root + critic_root) * c if sharded else 0.0
     layer_gathered = layer * c if sharded else 0.0
     logits = tokens * arch.vocab_size
+    chunk = min(tokens, VOCAB_ROWS_PER_CHUNK) * arch.vocab_size  # one chunk's float32 work
     hidden = tokens * (2 * h + 3 * width) * c
     scoring_parts = (
         *base,
         ("gathered", roots + layer_gathered),
         ("hidden", hidden),
-        ("logits", logits * (c + 4 + 4)),
+        ("logits", logits * c + chunk * (4 + 4)),
     )
     one_layer_activations = tokens * (8 * h + c * (6 * h + 3 * k + 4 * width))
     models = 2 if s.critic else 1
@@ -187,7 +190,7 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     else:
         activations = models * layers * one_layer_activations
     logits_label = "logits+grad" + ("+entropy" if s.entropy else "")
-    update_logits = logits * (c + 4 + 4 + (8 if s.entropy else 0))
+    update_logits = logits * 2 * c + chunk * (4 + 4 + 4 + (8 if s.entropy else 0))
     unsharded_grads = policy_root * c if sharded and s.lora_rank is None else 0.0
     update_parts = (
         *base,

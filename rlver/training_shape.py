@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 GIB = 2**30
+# Vocabulary-wide rows of float32 work alive at once in the log-prob and entropy maths
+# (rlver.batch.in_vocab_chunks, recomputed in the backward): at Qwen2.5's 152,064 words 1,024 rows
+# are 0.6 GB per float32 temporary, however many positions a micro-batch holds (a paper
+# micro-batch, 2 x 8,192 positions, would be 9.3 GB per temporary in one pass).
+VOCAB_ROWS_PER_CHUNK = 1024
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _WHOLE_SHARDING = "whole"
 

@@ -194,11 +194,14 @@ def test_ppo_think_every_phase_by_hand():
     awake = 0.8 * 80 * GIB
     gathered_scoring = (POLICY_ROOT + CRITIC_ROOT + LAYER) * 2  # roots stay gathered, + one layer, bf16
     hidden = tokens * (2 * H + 3 * INTER) * 2
-    logits_scoring = tokens * V * (2 + 4 + 4)  # bf16 logits, float32 copy, log-softmax temporary
+    chunk = 1024 * V  # the vocabulary maths 1,024 rows at a time (rlver.batch.in_vocab_chunks)
+    logits_scoring = tokens * V * 2 + chunk * (4 + 4)  # bf16 logits; a chunk's float32 copy, log-softmax
     gathered_update = (POLICY_ROOT + CRITIC_ROOT + 2 * LAYER) * 2  # + the prefetched layer
     checkpointed = 2 * LAYERS * tokens * H * 2  # each layer's bf16 input, policy and critic
     recomputed = tokens * (8 * H + 2 * (6 * H + 3 * KV + 4 * INTER))  # one layer's activations
-    logits_update = tokens * V * (2 + 4 + 4 + 8)  # + its float32 gradient, entropy's log-probs and probs
+    # bf16 logits and their bf16 gradient; a recomputed chunk's float32 copy, log-softmax, gradient,
+    # entropy's log-probs and probs
+    logits_update = tokens * V * (2 + 2) + chunk * (4 + 4 + 4 + 8)
     unsharded_grads = POLICY_ROOT * 2
     expected = {
         "trainer resident": resident,
@@ -222,8 +225,8 @@ def test_ppo_think_every_phase_by_hand():
         "engine idle (asleep)": 1.0,
         "engine awake": 64.0,
         "rollout": 71.8,
-        "scoring": 37.5,
-        "update": 66.1,
+        "scoring": 20.1,
+        "update": 36.5,
         "sync": 28.1,
         "checkpoint": 8.8,
     }
@@ -237,8 +240,8 @@ def test_ppo_think_table_through_the_cli(tmp_path, capsys):
     assert "32 GPU(s) of 80.0 GiB, FSDP FULL_SHARD over 32, weights 4 B, compute 2 B" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line[:1].isalpha()}
     assert rows["rollout"].split()[1:4] == ["71.8", "80.0", "yes"]
-    assert rows["update"].split()[1:4] == ["66.1", "80.0", "yes"]
-    assert "logits+grad+entropy 41.8" in rows["update"]
+    assert rows["update"].split()[1:4] == ["36.5", "80.0", "yes"]
+    assert "logits+grad+entropy 12.2" in rows["update"]
     assert "assumptions:" in out
 
 
@@ -302,9 +305,9 @@ def test_an_engine_share_of_0_95_leaves_too_little_for_the_trainer(tmp_path, cap
 
 
 def test_a_141_gib_gpu_fits_what_80_does_not(tmp_path, capsys):
-    recipe = recipe_copy(tmp_path, "ppo_think", model__dtype="float32", model__ppo__micro_batch_size=4)
+    recipe = recipe_copy(tmp_path, "ppo_think", model__dtype="float32", model__ppo__micro_batch_size=8)
     assert main(["plan", "--config", str(recipe), "--gpu-memory-gib", "80"]) == 1
-    assert "memory: update needs 117.5 GiB per GPU but 80.0 are available" in capsys.readouterr().out
+    assert "memory: update needs 93.1 GiB per GPU but 80.0 are available" in capsys.readouterr().out
     assert main(["plan", "--config", str(recipe), "--gpu-memory-gib", "141"]) == 0
     assert "OVER" not in capsys.readouterr().out
 

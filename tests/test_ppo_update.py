@@ -150,12 +150,17 @@ def _one_update(tmp_path, algorithm, lora, kl, scored: bool, head_at_loss_positi
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 @pytest.mark.parametrize("head", ["every-position", "loss-positions"])
 def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(
-    tmp_path, algorithm, lora, kl, head
+    tmp_path, monkeypatch, algorithm, lora, kl, head
 ):
     """One optimizer step from the sampling policy: the update's own detached log-probs stand in
     for the scoring pass's; loss, gradients, weights after the step and logged metrics agree with
-    the path rlver took before (a scoring pass, the head at every position)."""
+    the path rlver took before (a scoring pass, the head at every position). The new path does its
+    vocabulary maths in chunks of 3 rows (1 position of a 2-row micro-batch), recomputed in the
+    backward; the old one in one pass."""
+    import rlver.batch
+
     scored = _one_update(tmp_path, algorithm, lora, kl, scored=True, head_at_loss_positions=False)
+    monkeypatch.setattr(rlver.batch, "VOCAB_ROWS_PER_CHUNK", 3)
     unscored = _one_update(
         tmp_path, algorithm, lora, kl, scored=False, head_at_loss_positions=head != "every-position"
     )
@@ -170,8 +175,10 @@ def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(
     assert gradients.keys() == gradients_b.keys() and gradients
     for name in gradients:
         torch.testing.assert_close(gradients_b[name], gradients[name], atol=1e-6, rtol=1e-4)
+    # AdamW's first step is lr x g / (|g| + 1e-8): where a gradient is near 1e-8, float32 noise in
+    # it (within the tolerance above) moves the weight by a visible part of lr = 1e-3.
     for name in weights:
-        torch.testing.assert_close(weights_b[name], weights[name], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(weights_b[name], weights[name], atol=1e-5, rtol=1e-5)
 
 
 def test_several_optimizer_steps_keep_the_scoring_pass():
@@ -202,7 +209,10 @@ def test_several_optimizer_steps_keep_the_scoring_pass():
 
 
 # --------------------------------------------------------------------------- the head where the loss reads
-def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads():
+@pytest.mark.parametrize("rows_per_chunk", [1024, 5])
+def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads(monkeypatch, rows_per_chunk):
+    """Also with the vocabulary maths in chunks of 5 rows (positions 1 at a time for 3 rows)."""
+    import rlver.batch
     from rlver.batch import token_logprobs
     from rlver.loss_positions import loss_positions, policy_logprobs
     from rlver.rl.losses import entropy_from_logits
@@ -218,7 +228,9 @@ def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads():
         full = model(input_ids=ids, attention_mask=attention).logits
         expected = token_logprobs(full, ids, temperature) * mask
         expected_entropy = entropy_from_logits(full[:, :-1][mask[:, 1:].bool()], temperature).mean()
+        monkeypatch.setattr(rlver.batch, "VOCAB_ROWS_PER_CHUNK", rows_per_chunk)
         got, entropy = policy_logprobs(model, ids, attention, mask, temperature, with_entropy=True)
+        monkeypatch.undo()
         torch.testing.assert_close(got * mask, expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
         assert (got[:, :5] == 0).all()  # no row's loss reads before position 5: never computed
