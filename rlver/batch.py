@@ -137,10 +137,14 @@ def in_vocab_chunks(
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature, the distribution the engines sample from (0 or 1: as they are)."""
     logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
+    return logits / temperature if temperature > 0 and temperature != 1.0 else logits
+
+
+def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = tempered(logits, temperature)
     # gather - logsumexp avoids materialising a second (S, K, V) tensor of log-probs.
     return logits.gather(2, targets[..., None]).squeeze(2) - torch.logsumexp(logits, dim=-1)
 

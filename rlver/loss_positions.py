@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from rlver.batch import in_vocab_chunks, target_logprobs
+from rlver.batch import in_vocab_chunks, target_logprobs, tempered
 
 
 def loss_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -84,10 +84,7 @@ def policy_logprobs(
 
 def _logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """(S, K, 2): the targets' log-probs and each position's entropy under softmax(logits / temperature)."""
-    logits = logits.float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
+    log_probs = torch.log_softmax(tempered(logits, temperature), dim=-1)
     picked = log_probs.gather(2, targets[..., None]).squeeze(2)
     entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
     return torch.stack((picked, entropy), dim=-1)
