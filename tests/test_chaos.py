@@ -82,7 +82,8 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
             "every_n_train_steps"
         ]
         assert every <= 4, "the quickstart checkpoints often enough to lose little"
-        process = launch(straight, config)
+        # Fresh: the runs compared differ in their string-hash seed too (warm launches share one).
+        process = launch(straight, config, fresh=True)
         output, _ = process.communicate(timeout=1800)
         assert process.returncode == 0, output[-3000:]
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import yaml
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
 from rlver.checkpoint_io import read_checkpoint_state
-from tests.conftest import OFFICIAL_SAMPLE, REPO, run_cli
+from tests.conftest import OFFICIAL_SAMPLE, REPO, run_cli, run_rlver, start_rlver
 
 pytestmark = pytest.mark.slow
 
@@ -128,34 +127,22 @@ def lay_out_data(workdir: Path) -> None:
             )
 
 
-def run_fit(workdir: Path, *args, timeout=1800, command="fit"):
+def run_fit(workdir: Path, *args, timeout=1800, command="fit", fresh=False):
+    """`fresh`: in a new interpreter (its own string-hash seed), not forked from the warm launcher."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY}
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", command, *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=workdir,
-        env=env,
-        timeout=timeout,
-    )
+    result = run_rlver([command, *args], cwd=workdir, env=env, timeout=timeout, fresh=fresh)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
 
 
 def launch(
-    workdir: Path, config: Path, *extra: str, chaos: str = "", group: bool = False
+    workdir: Path, config: Path, *extra: str, chaos: str = "", group: bool = False, fresh: bool = False
 ) -> subprocess.Popen:
-    """`rlver fit` in the background; `group`: in a process group of its own (its ranks with it)."""
+    """`rlver fit` in the background; `group`: in a process group of its own (its ranks with it);
+    `fresh`: in a new interpreter, not forked from the warm launcher."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY, "RLVER_CHAOS": chaos}
-    return subprocess.Popen(
-        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), *extra],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=group,
-    )
+    argv = ["fit", "--config", config, *extra]
+    return start_rlver(argv, cwd=workdir, env=env, new_session=group, fresh=fresh)
 
 
 def digests(workdir: Path, ranks=2):
@@ -295,7 +282,10 @@ def test_two_process_resume_from_last_is_exact(tmp_path, tiny_model_dir, server)
     for workdir in (straight, resumed):
         workdir.mkdir()
         lay_out_data(workdir)
-    run_fit(straight, "--config", twin_config(recipe, straight, tiny_model_dir, server.url, steps=3))
+    # Fresh: the runs compared differ in their string-hash seed too (warm launches share one).
+    run_fit(
+        straight, "--config", twin_config(recipe, straight, tiny_model_dir, server.url, steps=3), fresh=True
+    )
     config = twin_config(recipe, resumed, tiny_model_dir, server.url, steps=3)
     run_fit(resumed, "--config", config, "--trainer.max_steps", "1")
     checkpoint = resumed / "runs" / recipe / "checkpoints" / "last.ckpt"

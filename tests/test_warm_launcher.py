@@ -1,0 +1,51 @@
+"""The suite's warm launcher: a forked `rlver` child behaves as a fresh `python -m rlver.cli`."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.conftest import REPO, _warm_launcher, run_rlver, start_rlver
+
+pytestmark = pytest.mark.slow  # one fresh interpreter per comparison
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--version"],
+        ["rollout", "--model.rollout.max_turns", "zero"],  # a bad flag: exit 2, one error line
+        ["score", "no-such-file.jsonl"],
+    ],
+)
+def test_a_warm_child_answers_as_a_fresh_interpreter(argv, tmp_path):
+    warm = run_rlver(argv, cwd=tmp_path)
+    fresh = run_rlver(argv, cwd=tmp_path, fresh=True)
+    assert (warm.returncode, warm.stdout, warm.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert _warm_launcher().process is not None  # the warm path really served one of them
+
+
+def test_what_import_time_reads_sends_a_launch_to_a_fresh_interpreter():
+    launcher = _warm_launcher()
+    env = dict(os.environ)
+    assert not launcher.needs_fresh_process(["fit"], {**env, "RLVER_SIMULATOR_API_KEY": "k"})
+    assert not launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": str(REPO)})
+    assert launcher.needs_fresh_process(["fit"], {**env, "ATEN_CPU_CAPABILITY": "avx2"})  # torch, at load
+    assert launcher.needs_fresh_process(["fit"], {**env, "RLVER_VERBOSE": "1"})  # logging, at import
+    assert launcher.needs_fresh_process(["fit", "--verbose"], env)
+    assert launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": "/some/site"})  # its .pth files
+    assert launcher.needs_fresh_process(["fit"], env, fresh=True)
+
+
+def test_a_background_child_is_signalled_and_reports_the_signal(tmp_path):
+    """A config that is a named pipe nobody writes: `rlver rollout` waits on it until killed."""
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    process = start_rlver(["rollout", "--config", fifo], cwd=tmp_path, env=os.environ, new_session=True)
+    assert process.pid != os.getpid() and process.poll() is None
+    process.send_signal(signal.SIGKILL)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, output
+    assert run_rlver(["--version"]).returncode == 0  # the launcher serves the next launch

@@ -1,0 +1,312 @@
+"""`rlver <args>` in a new process that skips the imports: forked from one that already made them.
+
+A fresh `python -m rlver.cli` spends about 7 s importing torch, transformers and Lightning before
+it reads its first argument; the suite starts dozens of such processes per worker, so that was
+a third of its CPU time. Each xdist worker keeps one warm process (this module, run as
+`python -m tests.warm_launcher`) that imports `rlver.cli` once and then forks a child per launch.
+The child is a separate process with its own memory, working directory, environment, argv,
+stdout/stderr files and exit status, and it runs `rlver.cli.main()` exactly as the console
+script does; only the imports are inherited. Launches whose outcome could depend on import-time
+state go to a fresh interpreter instead (`needs_fresh_process`): an environment that differs
+from the warm process's in anything but run-time variables, or `--verbose` (its logging is set at
+import). RLVER_TEST_FRESH_PROCESSES=1 sends every launch to a fresh interpreter.
+
+What a shared import gives up: every child of one warm process has the same string-hash seed,
+so two runs compared for exactness in one test do not also vary the hash seed (the chaos and
+multi-process resume tests start their own fresh processes and still do).
+
+Protocol on the warm process's stdin/stdout, one JSON object a line: the request
+{"argv", "cwd", "env", "stdout", "stderr", "new_session"}; the answers {"pid"} when forked, then
+{"returncode"} (negative: the signal that ended it, as subprocess reports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+# Variables read while a run runs, not while rlver.cli imports: a launch may differ in these.
+# (PYTHONPATH: the child puts it on sys.path; a site folder's .pth files would need a fresh
+# interpreter, so a launch that adds a folder not already on the path goes to one.)
+RUN_TIME_VARIABLES = (
+    "PYTHONPATH",
+    "RLVER_CHAOS",
+    "RLVER_TRACE_HOOKS",
+    "RLVER_DISABLE_PLUGINS",
+    "RLVER_CACHE_DIR",
+)
+RUN_TIME_PREFIXES = ("RLVER_SIMULATOR_", "RLVER_TEST_", "PYTEST_")
+
+
+def _differs_only_at_run_time(env: dict[str, str], warm_env: dict[str, str]) -> bool:
+    changed = {k for k in env.keys() | warm_env.keys() if env.get(k) != warm_env.get(k)}
+    return all(k in RUN_TIME_VARIABLES or k.startswith(RUN_TIME_PREFIXES) for k in changed)
+
+
+# --------------------------------------------------------------------------- the warm process
+def _run_child(request: dict) -> None:
+    """In the forked child: become the requested `rlver` process, run it, exit with its status."""
+    code = 1
+    try:
+        if request.get("new_session"):
+            os.setsid()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        for name, value in request["set_at_import"].items():  # as the imports set them in a fresh one
+            os.environ.setdefault(name, value)
+        # sys.path as `python -m rlver.cli` in that directory builds it: the cwd, then PYTHONPATH.
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [os.getcwd(), *extra, *[p for p in sys.path[1:] if p not in extra]]
+        opened = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, 1)
+        if request["stderr"] != request["stdout"]:  # else one file description: one offset for both
+            os.close(opened)
+            opened = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, 2)
+        os.close(opened)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import importlib.util
+
+        import __main__
+        import rlver.cli
+
+        # Lightning starts further ranks as `python -m <__main__'s module> <sys.argv[1:]>`.
+        __main__.__spec__ = importlib.util.find_spec("rlver.cli")
+        sys.argv = [rlver.cli.__file__, *request["argv"]]
+        code = rlver.cli.main()
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:  # what the interpreter does at exit: wait for threads, run atexit, flush
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join()
+            import atexit
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code if isinstance(code, int) else 1)
+
+
+def serve() -> None:
+    before = dict(os.environ)
+    import rlver.cli  # noqa: F401  (the point: imported once, inherited by every child)
+
+    if threading.active_count() != 1:  # forking with threads running could deadlock a child
+        print(json.dumps({"error": "threads running after import"}), flush=True)
+        return
+    set_at_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    print(json.dumps({"ready": True, "env": before, "set_at_import": set_at_import}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_child(request)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+# --------------------------------------------------------------------------- the test side
+class WarmLauncher:
+    """One warm process for this test process; `run` is `subprocess.run(capture_output=True)`."""
+
+    def __init__(self, repo: str):
+        self.repo = repo
+        self.process: subprocess.Popen | None = None
+        self.warm_env: dict[str, str] = {}
+        self.set_at_import: dict[str, str] = {}
+        self.busy = False
+
+    def _start(self) -> bool:
+        env = {**os.environ, "PYTHONPATH": self.repo}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.warm_launcher"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=self.repo,
+            env=env,
+            text=True,
+        )
+        self._unread = b""
+        hello = json.loads(self._readline(None) or "{}")
+        if not hello.get("ready"):
+            self.close()
+            return False
+        self.warm_env = hello["env"]
+        self.set_at_import = hello["set_at_import"]
+        return True
+
+    def needs_fresh_process(self, argv: list[str], env: dict[str, str], fresh: bool = False) -> bool:
+        if fresh or os.environ.get("RLVER_TEST_FRESH_PROCESSES") or "--verbose" in argv:
+            return True
+        if (self.process is None or self.process.poll() is not None) and not self._start():
+            return True
+        # The warm process imported with its own environment: a launch's may differ only in
+        # what is read later, and in what the imports themselves set (the child gets those).
+        expected = {**self.warm_env, **{k: v for k, v in self.set_at_import.items() if k in env}}
+        known = {*sys.path, *self.warm_env.get("PYTHONPATH", "").split(os.pathsep), self.repo}
+        if any(p and p not in known for p in env.get("PYTHONPATH", "").split(os.pathsep)):
+            return True
+        return not _differs_only_at_run_time(env, expected)
+
+    def run(self, argv, *, cwd, env, timeout=None, fresh=False) -> subprocess.CompletedProcess:
+        """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter."""
+        argv = [str(a) for a in argv]
+        env = dict(env)
+        if self.needs_fresh_process(argv, env, fresh):
+            return subprocess.run(
+                [sys.executable, "-m", "rlver.cli", *argv],
+                capture_output=True,
+                text=True,
+                cwd=cwd,
+                env=env,
+                timeout=timeout,
+            )
+        with tempfile.TemporaryDirectory(prefix="rlver-launch-") as folder:
+            out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
+            pid = self._fork(argv, cwd, env, out, err, new_session=False)
+            returncode = self._wait(pid, argv, time.monotonic() + timeout if timeout else None)
+            with open(out, errors="replace") as o, open(err, errors="replace") as e:
+                stdout, stderr = o.read(), e.read()
+        if returncode is None:
+            raise subprocess.TimeoutExpired(["rlver", *argv], timeout, stdout, stderr)
+        return subprocess.CompletedProcess(["rlver", *argv], returncode, stdout, stderr)
+
+    def popen(self, argv, *, cwd, env, new_session=False, fresh=False):
+        """As `subprocess.Popen(stdout=PIPE, stderr=STDOUT, text=True)`, in the background."""
+        argv = [str(a) for a in argv]
+        env = dict(env)
+        if self.needs_fresh_process(argv, env, fresh):
+            return subprocess.Popen(
+                [sys.executable, "-m", "rlver.cli", *argv],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=new_session,
+            )
+        folder = tempfile.mkdtemp(prefix="rlver-launch-")
+        output = os.path.join(folder, "output")
+        open(output, "w").close()  # there before the child starts: WarmProcess reads it
+        pid = self._fork(argv, cwd, env, output, output, new_session=new_session)
+        return WarmProcess(self, pid, argv, output)
+
+    def _fork(self, argv, cwd, env, stdout, stderr, *, new_session) -> int:
+        if self.busy:  # a test left its background run behind (it failed): end that one first
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.current_pid, signal.SIGKILL)
+            self._readline(None)
+            self.busy = False
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": stdout, "stderr": stderr}
+        request["set_at_import"] = self.set_at_import
+        self.process.stdin.write(json.dumps({**request, "new_session": new_session}) + "\n")
+        self.process.stdin.flush()
+        self.busy = True
+        self.current_pid = json.loads(self._readline(None))["pid"]
+        return self.current_pid
+
+    def _readline(self, deadline: float | None) -> str | None:
+        """One line from the warm process (raw reads: select must see what is not yet read)."""
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self._unread:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return ""
+            self._unread += chunk
+        line, self._unread = self._unread.split(b"\n", 1)
+        return line.decode()
+
+    def _wait(self, pid: int, argv, deadline: float | None, *, kill_at_deadline=True) -> int | None:
+        """The child's exit status; None at the deadline (the child killed first if asked)."""
+        line = self._readline(deadline)
+        if line is None:
+            if not kill_at_deadline:
+                return None
+            os.kill(pid, signal.SIGKILL)  # as subprocess.run does at its timeout
+            line = self._readline(None)
+            self.busy = False
+            return None
+        self.busy = False
+        if not line:
+            raise RuntimeError(f"the warm launcher died while running rlver {argv}")
+        return json.loads(line)["returncode"]
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+            self.process = None
+
+
+class WarmProcess:
+    """What the tests use of `subprocess.Popen` (stdout and stderr in one), for a warm child."""
+
+    def __init__(self, launcher: WarmLauncher, pid: int, argv: list[str], output: str):
+        self.launcher, self.pid, self.argv, self.output = launcher, pid, argv, output
+        self.args = ["rlver", *argv]
+        self.returncode: int | None = None
+        self.stdout = open(output, errors="replace")  # noqa: SIM115  (read as the child writes)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.launcher._wait(
+                self.pid, self.argv, time.monotonic(), kill_at_deadline=False
+            )
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self.returncode = self.launcher._wait(self.pid, self.argv, deadline, kill_at_deadline=False)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        output = self.stdout.read()
+        self.stdout.close()
+        os.remove(self.output)
+        os.rmdir(os.path.dirname(self.output))
+        return output, None
+
+    def send_signal(self, which: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, which)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    serve()
