@@ -94,11 +94,12 @@ def _warm_launcher():
     return _launcher
 
 
-def run_rlver(argv, *, cwd=REPO, env=None, timeout=None, fresh=False):
+def run_rlver(argv, *, cwd=REPO, env=None, timeout=1800, fresh=False):
     """`rlver <argv>` in a new process, as `subprocess.run(capture_output=True, text=True)`.
 
     Forked from this worker's warm launcher (tests/warm_launcher.py: the imports already made,
     about 7 s a launch saved) unless `fresh` or the launch could depend on import-time state.
+    The timeout only catches a hang (it raises subprocess.TimeoutExpired).
     """
     env = os.environ if env is None else env
     return _warm_launcher().run(argv, cwd=cwd, env=env, timeout=timeout, fresh=fresh)

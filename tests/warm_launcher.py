@@ -96,10 +96,9 @@ def _run_child(request: dict) -> None:
 
         traceback.print_exc()
     finally:
-        try:  # what the interpreter does at exit: wait for threads, run atexit, flush
-            for thread in threading.enumerate():
-                if thread is not threading.main_thread() and not thread.daemon:
-                    thread.join()
+        try:  # what the interpreter does at exit: threading's exit hooks (they stop idle thread
+            # pools) and the join of non-daemon threads, then atexit's functions, then a flush
+            threading._shutdown()
             import atexit
 
             atexit._run_exitfuncs()
@@ -259,6 +258,9 @@ class WarmLauncher:
         return json.loads(line)["returncode"]
 
     def close(self) -> None:
+        if self.busy:  # a background run a failed test left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.current_pid, signal.SIGKILL)
         if self.process is not None:
             self.process.stdin.close()
             try:
