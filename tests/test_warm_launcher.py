@@ -30,13 +30,22 @@ def test_a_warm_child_answers_as_a_fresh_interpreter(argv, tmp_path):
 def test_what_import_time_reads_sends_a_launch_to_a_fresh_interpreter():
     launcher = _warm_launcher()
     env = dict(os.environ)
-    assert not launcher.needs_fresh_process(["fit"], {**env, "RLVER_SIMULATOR_API_KEY": "k"})
-    assert not launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": str(REPO)})
+    assert launcher.needs_fresh_process(["fit"], env) == ""
+    assert launcher.needs_fresh_process(["fit"], {**env, "RLVER_SIMULATOR_API_KEY": "k"}) == ""
+    assert launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": str(REPO)}) == ""
     assert launcher.needs_fresh_process(["fit"], {**env, "ATEN_CPU_CAPABILITY": "avx2"})  # torch, at load
     assert launcher.needs_fresh_process(["fit"], {**env, "RLVER_VERBOSE": "1"})  # logging, at import
     assert launcher.needs_fresh_process(["fit", "--verbose"], env)
     assert launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": "/some/site"})  # its .pth files
     assert launcher.needs_fresh_process(["fit"], env, fresh=True)
+
+
+def test_a_change_to_this_processs_own_environment_warms_up_again(monkeypatch):
+    launcher = _warm_launcher()
+    assert launcher.needs_fresh_process(["fit"], dict(os.environ)) == ""
+    monkeypatch.setenv("RLVER_VERBOSE", "1")  # as an in-process `rlver --verbose` leaves it
+    assert launcher.needs_fresh_process(["fit"], dict(os.environ)) == ""  # a new warm process
+    assert launcher.warm_env["RLVER_VERBOSE"] == "1"
 
 
 def test_a_background_child_is_signalled_and_reports_the_signal(tmp_path):

@@ -46,9 +46,9 @@ RUN_TIME_VARIABLES = (
 RUN_TIME_PREFIXES = ("RLVER_SIMULATOR_", "RLVER_TEST_", "PYTEST_")
 
 
-def _differs_only_at_run_time(env: dict[str, str], warm_env: dict[str, str]) -> bool:
+def _import_time_differences(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     changed = {k for k in env.keys() | warm_env.keys() if env.get(k) != warm_env.get(k)}
-    return all(k in RUN_TIME_VARIABLES or k.startswith(RUN_TIME_PREFIXES) for k in changed)
+    return sorted(k for k in changed if k not in RUN_TIME_VARIABLES and not k.startswith(RUN_TIME_PREFIXES))
 
 
 # --------------------------------------------------------------------------- the warm process
@@ -139,8 +139,11 @@ class WarmLauncher:
         self.set_at_import: dict[str, str] = {}
         self.busy = False
 
+    def _start_env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": self.repo}
+
     def _start(self) -> bool:
-        env = {**os.environ, "PYTHONPATH": self.repo}
+        env = self._start_env()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.warm_launcher"],
             stdin=subprocess.PIPE,
@@ -158,24 +161,41 @@ class WarmLauncher:
         self.set_at_import = hello["set_at_import"]
         return True
 
-    def needs_fresh_process(self, argv: list[str], env: dict[str, str], fresh: bool = False) -> bool:
-        if fresh or os.environ.get("RLVER_TEST_FRESH_PROCESSES") or "--verbose" in argv:
-            return True
+    def needs_fresh_process(self, argv: list[str], env: dict[str, str], fresh: bool = False) -> str:
+        """Why this launch needs a new interpreter ("" when a warm child will do)."""
+        if fresh or os.environ.get("RLVER_TEST_FRESH_PROCESSES"):
+            return "asked for"
+        if "--verbose" in argv:
+            return "--verbose (logging is set at import)"
+        if self.process is not None and _import_time_differences(self._start_env(), self.warm_env):
+            self.close()  # this test process's own environment changed since: warm up again
         if (self.process is None or self.process.poll() is not None) and not self._start():
-            return True
+            return "no warm process"
         # The warm process imported with its own environment: a launch's may differ only in
         # what is read later, and in what the imports themselves set (the child gets those).
         expected = {**self.warm_env, **{k: v for k, v in self.set_at_import.items() if k in env}}
         known = {*sys.path, *self.warm_env.get("PYTHONPATH", "").split(os.pathsep), self.repo}
-        if any(p and p not in known for p in env.get("PYTHONPATH", "").split(os.pathsep)):
-            return True
-        return not _differs_only_at_run_time(env, expected)
+        unknown = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in known]
+        if unknown:
+            return f"PYTHONPATH adds {unknown} (their .pth files are read at start)"
+        differences = _import_time_differences(env, expected)
+        return f"environment differs in {differences}" if differences else ""
+
+    def _log(self, argv: list[str], why_fresh: str) -> None:
+        """RLVER_TEST_LAUNCH_LOG=<file>: one JSON line per launch (which test, warm or why not)."""
+        path = os.environ.get("RLVER_TEST_LAUNCH_LOG")
+        if path:
+            line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "argv": argv[:1], "fresh": why_fresh}
+            with open(path, "a") as log:
+                log.write(json.dumps({**line, "time": time.time()}) + "\n")
 
     def run(self, argv, *, cwd, env, timeout=None, fresh=False) -> subprocess.CompletedProcess:
         """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter."""
         argv = [str(a) for a in argv]
         env = dict(env)
-        if self.needs_fresh_process(argv, env, fresh):
+        why_fresh = self.needs_fresh_process(argv, env, fresh)
+        self._log(argv, why_fresh)
+        if why_fresh:
             return subprocess.run(
                 [sys.executable, "-m", "rlver.cli", *argv],
                 capture_output=True,
@@ -198,7 +218,9 @@ class WarmLauncher:
         """As `subprocess.Popen(stdout=PIPE, stderr=STDOUT, text=True)`, in the background."""
         argv = [str(a) for a in argv]
         env = dict(env)
-        if self.needs_fresh_process(argv, env, fresh):
+        why_fresh = self.needs_fresh_process(argv, env, fresh)
+        self._log(argv, why_fresh)
+        if why_fresh:
             return subprocess.Popen(
                 [sys.executable, "-m", "rlver.cli", *argv],
                 cwd=cwd,
