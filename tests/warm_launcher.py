@@ -51,21 +51,33 @@ def _import_time_differences(env: dict[str, str], warm_env: dict[str, str]) -> l
     return sorted(k for k in changed if k not in RUN_TIME_VARIABLES and not k.startswith(RUN_TIME_PREFIXES))
 
 
+def _log_launch(argv: list[str], why_fresh: str) -> None:
+    """RLVER_TEST_LAUNCH_LOG=<file>: one JSON line per launch (which test, warm or why not)."""
+    path = os.environ.get("RLVER_TEST_LAUNCH_LOG")
+    if path:
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "argv": argv[:1], "fresh": why_fresh}
+        with open(path, "a") as log:
+            log.write(json.dumps({**line, "time": time.time()}) + "\n")
+
+
 # --------------------------------------------------------------------------- the warm process
-def _run_child(request: dict) -> None:
-    """In the forked child: become the requested `rlver` process, run it, exit with its status."""
-    code = 1
-    try:
-        if request.get("new_session"):
-            os.setsid()
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        for name, value in request["set_at_import"].items():  # as the imports set them in a fresh one
-            os.environ.setdefault(name, value)
-        # sys.path as `python -m rlver.cli` in that directory builds it: the cwd, then PYTHONPATH.
-        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [os.getcwd(), *extra, *[p for p in sys.path[1:] if p not in extra]]
+# Set by Lightning in rank 0 for the ranks it starts, read by them at run time.
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _become(request: dict) -> None:
+    """This forked process takes the requested working folder, environment, argv and output."""
+    if request.get("new_session"):
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for name, value in request["set_at_import"].items():  # as the imports set them in a fresh one
+        os.environ.setdefault(name, value)
+    # sys.path as `python -m rlver.cli` in that directory builds it: the cwd, then PYTHONPATH.
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.getcwd(), *extra, *[p for p in sys.path[1:] if p not in extra]]
+    if "stdout" in request:  # else the output it inherited (a rank: its rank 0's, as Popen gives)
         opened = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(opened, 1)
         if request["stderr"] != request["stdout"]:  # else one file description: one offset for both
@@ -76,15 +88,116 @@ def _run_child(request: dict) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        import importlib.util
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import importlib.util
 
-        import __main__
+    import __main__
+    import rlver.cli
+
+    # Lightning starts further ranks as `python -m <__main__'s module> <sys.argv[1:]>`.
+    __main__.__spec__ = importlib.util.find_spec("rlver.cli")
+    sys.argv = [rlver.cli.__file__, *request["argv"]]
+
+
+class _SpareRank:
+    """A fork of this process made before `main()` runs, for Lightning's rank 1 to become.
+
+    Lightning's rank 0 starts the other ranks with `subprocess.Popen([python, -m, rlver.cli,
+    <argv>], env=<its environment + the rank variables>)`: a fresh interpreter's 7 s of imports
+    while rank 0 waits. When the command and environment are exactly those, the spare takes them
+    and runs `main()` instead; anything else gets the real Popen. Unused, it is ended at exit.
+    """
+
+    def __init__(self, request: dict) -> None:
+        self.started_env = dict(os.environ)
+        read, self.write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.write)
+            data = b""
+            while chunk := os.read(read, 65536):
+                data += chunk
+            if not data:
+                os._exit(0)
+            _run_child(json.loads(data), spare=False)
+        os.close(read)
+        self.used = False
+
+    def popen(self, command, env=None, cwd=None, **options):
+        env = dict(os.environ if env is None else env)
+        rank_launch = [sys.executable, "-m", "rlver.cli", *sys.argv[1:]]
+        changed = [
+            k
+            for k in _import_time_differences(env, self.started_env)
+            if k not in RANK_VARIABLES and not k.startswith("PL_")  # Lightning's, read at run time
+        ]
+        if self.used or options or list(command) != rank_launch or changed:
+            _log_launch(["rank"], f"not the rank launch the spare is for ({changed})")
+            return subprocess.Popen(command, env=env, cwd=cwd, **options)
+        _log_launch(["rank"], "")
+        request = {"argv": sys.argv[1:], "cwd": cwd or os.getcwd(), "env": env, "set_at_import": {}}
+        os.write(self.write, json.dumps(request).encode())
+        os.close(self.write)
+        self.used = True
+        return _SpareProcess(self.pid, command)
+
+    def end(self) -> None:
+        if not self.used:
+            with contextlib.suppress(OSError):
+                os.close(self.write)  # the spare reads end-of-file and exits
+                os.waitpid(self.pid, 0)
+
+
+class _SpareProcess:
+    """What Lightning uses of `subprocess.Popen` for the ranks it starts."""
+
+    def __init__(self, pid: int, args) -> None:
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, which: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, which)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _run_child(request: dict, spare: bool = True) -> None:
+    """In a forked child: become the requested `rlver` process, run it, exit with its status."""
+    code = 1
+    spare_rank = None
+    try:
+        _become(request)
         import rlver.cli
 
-        # Lightning starts further ranks as `python -m <__main__'s module> <sys.argv[1:]>`.
-        __main__.__spec__ = importlib.util.find_spec("rlver.cli")
-        sys.argv = [rlver.cli.__file__, *request["argv"]]
+        if spare and "LOCAL_RANK" not in os.environ:
+            import types
+
+            from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
+            from lightning.pytorch.strategies.launchers import subprocess_script as trainer_launcher
+
+            spare_rank = _SpareRank(request)
+            with_spare = types.SimpleNamespace(**{**vars(subprocess), "Popen": spare_rank.popen})
+            fabric_launcher.subprocess = trainer_launcher.subprocess = with_spare
         code = rlver.cli.main()
     except SystemExit as exit_:
         if exit_.code is None or isinstance(exit_.code, int):
@@ -104,6 +217,8 @@ def _run_child(request: dict) -> None:
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            if spare_rank is not None:
+                spare_rank.end()
         finally:
             os._exit(code if isinstance(code, int) else 1)
 
@@ -181,20 +296,12 @@ class WarmLauncher:
         differences = _import_time_differences(env, expected)
         return f"environment differs in {differences}" if differences else ""
 
-    def _log(self, argv: list[str], why_fresh: str) -> None:
-        """RLVER_TEST_LAUNCH_LOG=<file>: one JSON line per launch (which test, warm or why not)."""
-        path = os.environ.get("RLVER_TEST_LAUNCH_LOG")
-        if path:
-            line = {"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "argv": argv[:1], "fresh": why_fresh}
-            with open(path, "a") as log:
-                log.write(json.dumps({**line, "time": time.time()}) + "\n")
-
     def run(self, argv, *, cwd, env, timeout=None, fresh=False) -> subprocess.CompletedProcess:
         """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter."""
         argv = [str(a) for a in argv]
         env = dict(env)
         why_fresh = self.needs_fresh_process(argv, env, fresh)
-        self._log(argv, why_fresh)
+        _log_launch(argv, why_fresh)
         if why_fresh:
             return subprocess.run(
                 [sys.executable, "-m", "rlver.cli", *argv],
@@ -219,7 +326,7 @@ class WarmLauncher:
         argv = [str(a) for a in argv]
         env = dict(env)
         why_fresh = self.needs_fresh_process(argv, env, fresh)
-        self._log(argv, why_fresh)
+        _log_launch(argv, why_fresh)
         if why_fresh:
             return subprocess.Popen(
                 [sys.executable, "-m", "rlver.cli", *argv],
