@@ -280,6 +280,8 @@ class WarmLauncher:
         """Why this launch needs a new interpreter ("" when a warm child will do)."""
         if fresh or os.environ.get("RLVER_TEST_FRESH_PROCESSES"):
             return "asked for"
+        if sys.platform != "linux":  # fork() after torch's imports is only dependable on Linux
+            return "not Linux"
         if "--verbose" in argv:
             return "--verbose (logging is set at import)"
         if self.process is not None and _import_time_differences(self._start_env(), self.warm_env):
