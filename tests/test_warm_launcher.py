@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
 from tests.conftest import REPO, _warm_launcher, run_rlver, start_rlver
 
-pytestmark = pytest.mark.slow  # one fresh interpreter per comparison
+pytestmark = [
+    pytest.mark.slow,  # one fresh interpreter per comparison
+    pytest.mark.skipif(sys.platform != "linux", reason="the warm launcher forks only on Linux"),
+]
 
 
 @pytest.mark.parametrize(
