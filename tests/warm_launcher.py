@@ -13,7 +13,7 @@ import). RLVER_TEST_FRESH_PROCESSES=1 sends every launch to a fresh interpreter.
 
 What a shared import gives up: every child of one warm process has the same string-hash seed,
 so two runs compared for exactness in one test do not also vary the hash seed (the chaos and
-multi-process resume tests start their own fresh processes and still do).
+multi-process resume tests start their reference run fresh, so theirs still differ).
 
 Protocol on the warm process's stdin/stdout, one JSON object a line: the request
 {"argv", "cwd", "env", "stdout", "stderr", "new_session"}; the answers {"pid"} when forked, then
@@ -49,6 +49,10 @@ RUN_TIME_PREFIXES = ("RLVER_SIMULATOR_", "RLVER_TEST_", "PYTEST_")
 def _import_time_differences(env: dict[str, str], warm_env: dict[str, str]) -> list[str]:
     changed = {k for k in env.keys() | warm_env.keys() if env.get(k) != warm_env.get(k)}
     return sorted(k for k in changed if k not in RUN_TIME_VARIABLES and not k.startswith(RUN_TIME_PREFIXES))
+
+
+def _fresh_command(argv: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rlver.cli", *argv]
 
 
 def _log_launch(argv: list[str], why_fresh: str) -> None:
@@ -108,7 +112,7 @@ class _SpareRank:
     and runs `main()` instead; anything else gets the real Popen. Unused, it is ended at exit.
     """
 
-    def __init__(self, request: dict) -> None:
+    def __init__(self) -> None:
         self.started_env = dict(os.environ)
         read, self.write = os.pipe()
         self.pid = os.fork()
@@ -125,7 +129,7 @@ class _SpareRank:
 
     def popen(self, command, env=None, cwd=None, **options):
         env = dict(os.environ if env is None else env)
-        rank_launch = [sys.executable, "-m", "rlver.cli", *sys.argv[1:]]
+        rank_launch = _fresh_command(sys.argv[1:])
         changed = [
             k
             for k in _import_time_differences(env, self.started_env)
@@ -195,7 +199,7 @@ def _run_child(request: dict, spare: bool = True) -> None:
             from lightning.fabric.strategies.launchers import subprocess_script as fabric_launcher
             from lightning.pytorch.strategies.launchers import subprocess_script as trainer_launcher
 
-            spare_rank = _SpareRank(request)
+            spare_rank = _SpareRank()
             with_spare = types.SimpleNamespace(**{**vars(subprocess), "Popen": spare_rank.popen})
             fabric_launcher.subprocess = trainer_launcher.subprocess = with_spare
         code = rlver.cli.main()
@@ -298,15 +302,18 @@ class WarmLauncher:
         differences = _import_time_differences(env, expected)
         return f"environment differs in {differences}" if differences else ""
 
-    def run(self, argv, *, cwd, env, timeout=None, fresh=False) -> subprocess.CompletedProcess:
-        """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter."""
-        argv = [str(a) for a in argv]
-        env = dict(env)
+    def _decide(self, argv, env, fresh) -> tuple[list[str], dict[str, str], str]:
+        argv, env = [str(a) for a in argv], dict(env)
         why_fresh = self.needs_fresh_process(argv, env, fresh)
         _log_launch(argv, why_fresh)
+        return argv, env, why_fresh
+
+    def run(self, argv, *, cwd, env, timeout=None, fresh=False) -> subprocess.CompletedProcess:
+        """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter."""
+        argv, env, why_fresh = self._decide(argv, env, fresh)
         if why_fresh:
             return subprocess.run(
-                [sys.executable, "-m", "rlver.cli", *argv],
+                _fresh_command(argv),
                 capture_output=True,
                 text=True,
                 cwd=cwd,
@@ -325,13 +332,10 @@ class WarmLauncher:
 
     def popen(self, argv, *, cwd, env, new_session=False, fresh=False):
         """As `subprocess.Popen(stdout=PIPE, stderr=STDOUT, text=True)`, in the background."""
-        argv = [str(a) for a in argv]
-        env = dict(env)
-        why_fresh = self.needs_fresh_process(argv, env, fresh)
-        _log_launch(argv, why_fresh)
+        argv, env, why_fresh = self._decide(argv, env, fresh)
         if why_fresh:
             return subprocess.Popen(
-                [sys.executable, "-m", "rlver.cli", *argv],
+                _fresh_command(argv),
                 cwd=cwd,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -345,12 +349,16 @@ class WarmLauncher:
         pid = self._fork(argv, cwd, env, output, output, new_session=new_session)
         return WarmProcess(self, pid, argv, output)
 
-    def _fork(self, argv, cwd, env, stdout, stderr, *, new_session) -> int:
-        if self.busy:  # a test left its background run behind (it failed): end that one first
+    def _end_left_behind(self) -> None:
+        """A background run a failed test left behind: killed, its exit status read."""
+        if self.busy:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.current_pid, signal.SIGKILL)
             self._readline(None)
             self.busy = False
+
+    def _fork(self, argv, cwd, env, stdout, stderr, *, new_session) -> int:
+        self._end_left_behind()
         request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": stdout, "stderr": stderr}
         request["set_at_import"] = self.set_at_import
         self.process.stdin.write(json.dumps({**request, "new_session": new_session}) + "\n")
@@ -389,10 +397,8 @@ class WarmLauncher:
         return json.loads(line)["returncode"]
 
     def close(self) -> None:
-        if self.busy:  # a background run a failed test left behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.current_pid, signal.SIGKILL)
         if self.process is not None:
+            self._end_left_behind()
             self.process.stdin.close()
             try:
                 self.process.wait(timeout=10)
