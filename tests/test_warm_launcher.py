@@ -62,3 +62,43 @@ def test_a_background_child_is_signalled_and_reports_the_signal(tmp_path):
     output, _ = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL, output
     assert run_rlver(["--version"]).returncode == 0  # the launcher serves the next launch
+
+
+ENVIRONMENT_AFTER_VLLM_LOADS = """
+import json, os, sys
+import rlver.cli
+from tests import warm_launcher
+if sys.argv[1] == "warm":
+    before = dict(os.environ)
+    warm_launcher._preload_vllm()
+    assert dict(os.environ) == before, "the preload left vLLM's variables in the warm process"
+from rlver_plugins.vllm_engine import engine
+engine._import_vllm()
+if sys.argv[1] == "fresh":  # what vllm.LLM loads next, as a fresh run does when it starts
+    import importlib
+    for module in warm_launcher.VLLM_ENGINE_MODULES:
+        importlib.import_module(module)
+print(json.dumps(dict(os.environ)))
+"""
+
+
+def test_the_preloaded_vllm_sets_its_variables_when_the_engine_imports_it():
+    """vLLM's imports set variables: a warm run of the vllm engine has them, a run without it not."""
+    pytest.importorskip("vllm")
+    import json
+    import subprocess
+
+    environments = {}
+    for mode in ("fresh", "warm"):
+        result = subprocess.run(
+            [sys.executable, "-c", ENVIRONMENT_AFTER_VLLM_LOADS, mode],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        environments[mode] = json.loads(result.stdout.splitlines()[-1])
+    assert environments["warm"] == environments["fresh"]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in environments["warm"]
