@@ -77,6 +77,7 @@ def build_batch(shape: str, vocab: int) -> RolloutBatch:
         timeline_seq=torch.zeros(count, 1, dtype=torch.long),
         timeline_pos=torch.zeros(count, 1, dtype=torch.long),
         timeline_mask=torch.ones(count, 1),
+        timeline_turn=torch.zeros(count, 1, dtype=torch.long),
     )
 
 

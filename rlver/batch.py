@@ -32,6 +32,7 @@ class RolloutBatch:
     timeline_seq: torch.Tensor  # (D, T) sequence index of each timeline position
     timeline_pos: torch.Tensor  # (D, T) position within that sequence
     timeline_mask: torch.Tensor  # (D, T) 1 on real timeline positions
+    timeline_turn: torch.Tensor  # (D, T) the policy turn (0-based) each timeline position belongs to
 
     @property
     def num_sequences(self) -> int:
@@ -67,25 +68,29 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch
     attention_mask = torch.zeros((count, width), dtype=torch.long)
     loss_mask = torch.zeros((count, width), dtype=torch.long)
     engine_logprobs = torch.zeros((count, width), dtype=torch.float32)
-    timelines: list[list[tuple[int, int]]] = [[] for _ in trajectories]
+    timelines: list[list[tuple[int, int, int]]] = [[] for _ in trajectories]
     for index, (sequence, owner) in enumerate(zip(sequences, owners, strict=True)):
         length = len(sequence)
         input_ids[index, :length] = torch.tensor(sequence.input_ids)
         attention_mask[index, :length] = 1
         loss_mask[index, :length] = torch.tensor(sequence.loss_mask)
         engine_logprobs[index, :length] = torch.tensor(sequence.old_logprobs)
-        timelines[owner].extend((index, p) for p, m in enumerate(sequence.loss_mask) if m)
+        for turn, start, end in sequence.turn_spans:  # a turn's reply: policy-sampled throughout
+            timelines[owner].extend((index, p, turn) for p in range(start, end))
     horizon = max(len(t) for t in timelines)
     timeline_seq = torch.zeros((len(trajectories), horizon), dtype=torch.long)
     timeline_pos = torch.zeros((len(trajectories), horizon), dtype=torch.long)
     timeline_mask = torch.zeros((len(trajectories), horizon), dtype=torch.long)
+    timeline_turn = torch.zeros((len(trajectories), horizon), dtype=torch.long)
     for dialogue, timeline in enumerate(timelines):
         if not timeline:
             raise ValueError(
                 f"dialogue {dialogue} ({trajectories[dialogue].profile.id}) has no policy tokens"
             )
-        timeline_seq[dialogue, : len(timeline)] = torch.tensor([s for s, _ in timeline])
-        timeline_pos[dialogue, : len(timeline)] = torch.tensor([p for _, p in timeline])
+        columns = torch.tensor(timeline).T
+        timeline_seq[dialogue, : len(timeline)] = columns[0]
+        timeline_pos[dialogue, : len(timeline)] = columns[1]
+        timeline_turn[dialogue, : len(timeline)] = columns[2]
         timeline_mask[dialogue, : len(timeline)] = 1
     return RolloutBatch(
         input_ids=input_ids,
@@ -96,6 +101,7 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch
         timeline_seq=timeline_seq,
         timeline_pos=timeline_pos,
         timeline_mask=timeline_mask,
+        timeline_turn=timeline_turn,
     )
 
 
@@ -173,6 +179,7 @@ def placeholder_batch(pad_id: int) -> RolloutBatch:
         timeline_seq=torch.zeros((1, 1), dtype=torch.long),
         timeline_pos=torch.ones((1, 1), dtype=torch.long),
         timeline_mask=torch.ones((1, 1), dtype=torch.long),
+        timeline_turn=torch.zeros((1, 1), dtype=torch.long),
     )
 
 

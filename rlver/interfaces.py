@@ -197,18 +197,25 @@ class RolloutEngine(ABC):
 
 # --------------------------------------------------------------------------- rewards and advantages
 class RewardFunction(ABC):
-    """Scores finished dialogues: one float per trajectory."""
+    """Scores finished dialogues: one entry per trajectory.
+
+    An entry is either one float, the dialogue's reward (it sits on the last token the policy
+    sampled), or a sequence of one float per policy turn (`trajectory.num_turns` of them), each
+    on that turn's last sampled token. A per-turn reward that should also pay at the end adds
+    it to its last turn's value: token rewards are summed either way.
+    """
 
     @abstractmethod
-    def __call__(self, trajectories: Sequence[Trajectory]) -> list[float]: ...
+    def __call__(self, trajectories: Sequence[Trajectory]) -> Sequence[float | Sequence[float]]: ...
 
 
 @dataclass
 class AdvantageBatch:
     """What an advantage estimator sees, on per-dialogue timelines (see rlver.batch).
 
-    token_rewards: (D, T) rewards per policy token: the dialogue's reward on its
-        last token, minus the KL penalty on every token when KL is in the reward.
+    token_rewards: (D, T) rewards per policy token: each turn's reward on that turn's last
+        token (a dialogue-level reward on the last turn's), minus the KL penalty on every token
+        when KL is in the reward.
     values: (D, T) critic values, or None when no critic is trained.
     mask: (D, T) 1 on real timeline positions.
     group_ids: (D,) dialogues sharing a profile and opening share an id.
@@ -218,6 +225,7 @@ class AdvantageBatch:
     reduce_sum: sums a tensor over every rank of the step (identity in one process). A
         statistic over "the batch" (e.g. whitening) must be computed with it, so that it is
         the statistic of the whole step and every rank agrees; all ranks call it equally often.
+    turn_ids: (D, T) the policy turn (0-based) of each timeline position; None: one turn.
     """
 
     token_rewards: Any
@@ -226,6 +234,7 @@ class AdvantageBatch:
     group_ids: Any
     valid: Any = None
     reduce_sum: Callable[[Any], Any] | None = None
+    turn_ids: Any = None
 
     def valid_mask(self) -> Any:
         """(D, T) mask of the positions that count: `mask` on valid dialogues only."""

@@ -287,7 +287,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         # 5. advantages on per-dialogue timelines, statistics over every rank's dialogues
         advantages, returns = token_advantages(
             self.advantage_estimator, data, old_logprobs, ref_logprobs, old_values, self.ppo,
-            self._reduce_sum, metrics,
+            self._reduce_sum, metrics, self.rollout_settings.max_turns,
         )  # fmt: skip
 
         # 6. PPO epochs over minibatches (in one process, a stop before the first optimizer

@@ -21,8 +21,9 @@ from rlver.batch import RolloutBatch, build_batch, micro_batches, placeholder_ba
 from rlver.interfaces import AdvantageBatch
 from rlver.lora import adapter_disabled
 from rlver.loss_positions import policy_logprobs
-from rlver.rl.advantages import terminal_rewards
+from rlver.rl.advantages import turn_end_rewards
 from rlver.rl.losses import explained_variance, kl_estimate, masked_mean
+from rlver.rl.metrics import turn_metrics
 from rlver.rollout import Trajectory
 
 RewardFunctions = Sequence[tuple[str, float, Callable[[Sequence[Trajectory]], Any]]]
@@ -31,16 +32,41 @@ RewardFunctions = Sequence[tuple[str, float, Callable[[Sequence[Trajectory]], An
 def score_dialogues(
     reward_functions: RewardFunctions, trajectories: Sequence[Trajectory], metrics: dict[str, float]
 ) -> torch.Tensor:
-    """(D,) weighted sum of the reward plugins' scores; each one's mean goes into `metrics`."""
-    total = torch.zeros(len(trajectories))
+    """(D, K) weighted sum of the reward plugins' scores per policy turn, K the most turns a
+    dialogue has; a dialogue-level score counts at the dialogue's last turn. Each plugin's mean
+    per dialogue goes into `metrics`."""
+    width = max((max(t.num_turns, 1) for t in trajectories), default=1)
+    total = torch.zeros(len(trajectories), width)
     for name, weight, function in reward_functions:
-        scores = torch.tensor(function(trajectories), dtype=torch.float32)
-        if scores.shape != total.shape or not torch.isfinite(scores).all():
-            raise ValueError(f"reward {name!r} returned {scores.tolist()} for {len(trajectories)} dialogues")
-        metrics[f"reward/{name}"] = scores.mean().item()
+        scores = _turn_scores(name, function(trajectories), trajectories, width)
+        metrics[f"reward/{name}"] = scores.sum(dim=1).mean().item()
         total += weight * scores
-    metrics["reward/total"] = total.mean().item()
+    metrics["reward/total"] = total.sum(dim=1).mean().item()
     return total
+
+
+def _turn_scores(name: str, entries: Any, trajectories: Sequence[Trajectory], width: int) -> torch.Tensor:
+    """A reward plugin's answer as (D, K): each entry a float, or one float per policy turn."""
+    entries = list(entries)
+    if len(entries) != len(trajectories):
+        raise ValueError(f"reward {name!r} returned {len(entries)} scores for {len(trajectories)} dialogues")
+    scores = torch.zeros(len(trajectories), width)
+    for row, (entry, trajectory) in enumerate(zip(entries, trajectories, strict=True)):
+        if isinstance(entry, Sequence | torch.Tensor) and not (
+            isinstance(entry, torch.Tensor) and entry.dim() == 0
+        ):
+            values = [float(value) for value in entry]
+            if len(values) != trajectory.num_turns:
+                raise ValueError(
+                    f"reward {name!r} returned {len(values)} per-turn scores for dialogue {row} "
+                    f"({trajectory.profile.id}), which has {trajectory.num_turns} policy turns"
+                )
+            scores[row, : len(values)] = torch.tensor(values)
+        else:
+            scores[row, max(trajectory.num_turns, 1) - 1] = float(entry)
+    if not torch.isfinite(scores).all():
+        raise ValueError(f"reward {name!r} returned a score that is not finite: {entries}")
+    return scores
 
 
 @dataclass
@@ -48,7 +74,7 @@ class TrainingBatch:
     """A rank's dialogues as tensors; `valid` marks the dialogues the simulator did not fail on."""
 
     batch: RolloutBatch
-    rewards: torch.Tensor  # (D,)
+    turn_rewards: torch.Tensor  # (D, K) each policy turn's reward (rlver.scoring.score_dialogues)
     valid: torch.Tensor  # (D,) bool
     group_ids: torch.Tensor  # (D,)
 
@@ -76,7 +102,7 @@ def training_batch(
     else:
         result = TrainingBatch(
             placeholder_batch(pad_id),
-            torch.zeros(1),
+            torch.zeros(1, 1),
             torch.zeros(1, dtype=torch.bool),
             torch.zeros(1, dtype=torch.long),
         )
@@ -208,19 +234,20 @@ def token_advantages(
     settings: Any,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor],
     metrics: dict[str, float],
+    max_turns: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(S, L) advantages and returns (None without a critic), estimated on per-dialogue timelines.
 
-    The dialogue's reward sits on its last token; with a reference and `settings.kl_mode`
+    Each turn's reward sits on the turn's last token; with a reference and `settings.kl_mode`
     in-reward, the KL is subtracted from the token rewards (`logprob_metrics` logs it).
     Statistics the estimator takes over dialogues (GRPO's groups, whitening) use `reduce_sum`
-    to cover every rank.
+    to cover every rank, as do the `turn/` metrics (turn indices 1 to `max_turns`).
     """
     batch = data.batch
     mask = batch.loss_mask
     device = mask.device
     timeline_mask = batch.timeline_mask
-    token_rewards = terminal_rewards(data.rewards.to(device), timeline_mask)
+    token_rewards = turn_end_rewards(data.turn_rewards.to(device), batch.timeline_turn, timeline_mask)
     if ref_logprobs is not None and settings.kl_mode == "in-reward":
         if old_logprobs is None:
             raise ValueError("a KL in the reward needs the old log-probs before the update")
@@ -234,11 +261,18 @@ def token_advantages(
             group_ids=data.group_ids.to(device),
             valid=data.valid.to(device),
             reduce_sum=reduce_sum,
+            turn_ids=batch.timeline_turn,
         )
     )
     advantages = batch.to_sequences(result.advantages) * mask
     returns = batch.to_sequences(result.returns) if result.returns is not None else None
     metrics.update(result.metrics)
+    metrics.update(
+        turn_metrics(
+            data.turn_rewards, result.advantages, batch.timeline_turn, timeline_mask, data.valid.to(device),
+            max_turns, reduce_sum,
+        )
+    )  # fmt: skip
     if mask.any():
         metrics["advantage/mean"] = masked_mean(advantages, mask).item()
         metrics["advantage/abs_mean"] = masked_mean(advantages.abs(), mask).item()

@@ -35,6 +35,8 @@ PAPER_RECIPES = [
     "env_hard",
     "ppo_think_reference_user",  # the RLVER reference's own user code (needs ../shared/sage-protocol)
     "ppo_think_lora",  # LoRA adapters on policy and critic, sized for one GPU
+    "ppo_think_turn",  # turn-level GAE over per-turn emotion changes
+    "grpo_think_turn",  # critic-free turn credit over per-turn emotion changes
 ]
 TWIN_KEYS = {  # what a twin may change; everything else in the recipe stays as it is
     "trainer": {"accelerator", "devices", "num_nodes", "strategy", "max_steps", "callbacks", "precision"},

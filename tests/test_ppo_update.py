@@ -25,6 +25,7 @@ def _batch(ids: torch.Tensor, mask: torch.Tensor) -> RolloutBatch:
         timeline_seq=torch.zeros(count, 1, dtype=torch.long),
         timeline_pos=torch.zeros(count, 1, dtype=torch.long),
         timeline_mask=torch.ones(count, 1),
+        timeline_turn=torch.zeros(count, 1, dtype=torch.long),
     )
 
 

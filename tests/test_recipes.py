@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlver.cli import parse_recipe
 from rlver.data.datamodule import ProfileDataModule
@@ -76,3 +77,42 @@ def test_a_bad_recipe_value_is_one_error_naming_the_key(tmp_path):
     bad.write_text("model:\n  group_size: many\n")
     with pytest.raises(Exception, match="group_size"):
         parse_recipe(str(bad))
+
+
+def _flat(tree, prefix=""):
+    """{"a.b": leaf} for a nested mapping (a list is a leaf)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}".lstrip(".")).items()}
+
+
+@pytest.mark.parametrize(
+    "variant, base, changed",
+    [
+        ("ppo_think_turn", "ppo_think", {"model.rewards", "model.advantage.name"}),
+        ("grpo_think_turn", "grpo_think", {"model.rewards", "model.advantage.name", "model.advantage.eps"}),
+        ("quickstart_turns", "quickstart", set()),
+        ("quickstart_turns_credit", "quickstart", {"model.rewards", "model.advantage"}),
+        *[
+            (f"quickstart_turns_{name}", "quickstart", {
+                "model.rewards", "model.advantage", "model.group_size", "data.batch_size",
+                "model.critic_lr", "model.critic_warmup_ratio",
+            })
+            for name in ("ppo", "turn_gae")
+        ],
+    ],
+)  # fmt: skip
+def test_the_turn_credit_recipes_change_only_the_credit(variant, base, changed):
+    """Each turn-credit recipe is its base recipe but for the reward and the estimator (and, for
+    the laptop ablation, 4 turns, a longer time limit and, for PPO, a batch of single dialogues)."""
+    variant_tree = yaml.safe_load((REPO / "recipes" / f"{variant}.yaml").read_text())
+    base_tree = yaml.safe_load((REPO / "recipes" / f"{base}.yaml").read_text())
+    a, b = _flat(variant_tree), _flat(base_tree)
+    differ = {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)} - {"trainer.default_root_dir"}
+    if base == "quickstart":
+        changed = changed | {"model.rollout.max_turns", "trainer.max_time"}
+        assert variant_tree["model"]["rollout"]["max_turns"] == 4
+    assert differ == changed
+    assert variant_tree["trainer"]["default_root_dir"] == f"runs/{variant}"
+    if variant != "quickstart_turns":
+        assert variant_tree["model"]["rewards"] == ["emotion_change"]

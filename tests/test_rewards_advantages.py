@@ -26,8 +26,8 @@ def trajectory(emotions, malformed=0):
 
 def test_builtins_register_through_the_hooks():
     registry = get_registry()
-    assert registry.names("rewards") == ["emotion_gain", "final_emotion", "format"]
-    assert registry.names("advantages") == ["gae", "grpo"]
+    assert registry.names("rewards") == ["emotion_change", "emotion_gain", "final_emotion", "format"]
+    assert registry.names("advantages") == ["gae", "grpo", "turn_credit", "turn_gae"]
     assert registry.get("rewards", "format").plugin == "rewards"  # via rlver_register_rewards
     assert registry.get("advantages", "gae").plugin == "advantages"  # via rlver_register_advantages
 

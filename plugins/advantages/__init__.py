@@ -1,4 +1,5 @@
-"""Built-in advantage estimators: `gae` (PPO with a critic) and `grpo` (group baseline)."""
+"""Built-in advantage estimators: `gae` (PPO with a critic), `grpo` (group baseline), and the
+turn-level ones: `turn_gae` (the turn as GAE's time step) and `turn_credit` (critic-free)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,21 @@ import torch
 
 from rlver import hookimpl
 from rlver.interfaces import AdvantageBatch, AdvantageEstimator, AdvantageResult
-from rlver.rl.advantages import gae, group_normalized
+from rlver.rl.advantages import (
+    broadcast_turns,
+    gae,
+    group_normalized,
+    leave_one_out_turn_credit,
+    turn_gae,
+)
 
 
 class GAEEstimator(AdvantageEstimator):
     """Generalised advantage estimation with a learned critic (PPO).
 
-    The dialogue reward sits on the last policy token of the last turn: the
-    simulator's final emotion is only known then, and with gamma = lambda = 1
-    (the paper's setting) every policy token's advantage is R - V(s_t).
+    Each turn's reward sits on that turn's last token (a dialogue-level reward, such as the
+    paper's final emotion, on the last turn's): with gamma = lambda = 1 (the paper's setting)
+    a token's advantage is the reward still to come, R_{>=t}, less V(s_t).
 
     Args:
         gamma: Discount per policy token.
@@ -37,19 +44,58 @@ class GAEEstimator(AdvantageEstimator):
         if batch.values is None:
             raise ValueError("the gae estimator needs critic values")
         advantages, returns = gae(batch.token_rewards, batch.values, batch.mask, self.gamma, self.lam)
-        counted = batch.valid_mask().to(advantages.dtype)
-        if self.whiten:
-            # One all-reduce of (count, sum, sum of squares): the step's mean and variance.
-            totals = batch.global_sum(
-                torch.stack(
-                    [counted.sum(), (advantages * counted).sum(), (advantages.square() * counted).sum()]
-                )
-            )
-            count = totals[0].clamp(min=1)
-            mean = totals[1] / count
-            variance = (totals[2] / count - mean.square()).clamp(min=0)
-            advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
-        return AdvantageResult(advantages=advantages * counted, returns=returns)
+        return _critic_result(batch, advantages, returns, self.whiten)
+
+
+def _critic_result(batch: AdvantageBatch, advantages, returns, whiten: bool) -> AdvantageResult:
+    counted = batch.valid_mask().to(advantages.dtype)
+    if whiten:
+        # One all-reduce of (count, sum, sum of squares): the step's mean and variance.
+        totals = batch.global_sum(
+            torch.stack([counted.sum(), (advantages * counted).sum(), (advantages.square() * counted).sum()])
+        )
+        count = totals[0].clamp(min=1)
+        mean = totals[1] / count
+        variance = (totals[2] / count - mean.square()).clamp(min=0)
+        advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
+    return AdvantageResult(advantages=advantages * counted, returns=returns)
+
+
+def _turn_ids(batch: AdvantageBatch):
+    return batch.turn_ids if batch.turn_ids is not None else torch.zeros_like(batch.mask, dtype=torch.long)
+
+
+class TurnGAEEstimator(AdvantageEstimator):
+    """GAE with the turn as the time step (a learned critic, as `gae`).
+
+    A turn's reward is what its tokens carry (its per-turn reward, a dialogue reward on the
+    last turn, any in-reward KL); its value the critic's at the turn's first token, where the
+    user's message has just been read. Every token of a turn gets the turn's advantage, so one
+    reply is credited as one action, and the critic learns one value per turn: gamma and lam
+    discount per turn, not per token (a 300-token reply is one step, not 300).
+
+    Args:
+        gamma: Discount per turn.
+        lam: GAE lambda per turn.
+        whiten: As `gae`: over the tokens of the whole step, failed dialogues left out.
+    """
+
+    requires_critic = True
+
+    def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma ({gamma}) must be within [0, 1]")
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam ({lam}) must be within [0, 1]")
+        self.gamma, self.lam, self.whiten = gamma, lam, whiten
+
+    def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
+        if batch.values is None:
+            raise ValueError("the turn_gae estimator needs critic values")
+        advantages, returns = turn_gae(
+            batch.token_rewards, batch.values, batch.mask, _turn_ids(batch), self.gamma, self.lam
+        )
+        return _critic_result(batch, advantages, returns, self.whiten)
 
 
 class GRPOEstimator(AdvantageEstimator):
@@ -93,7 +139,59 @@ class GRPOEstimator(AdvantageEstimator):
         )
 
 
+class TurnCreditEstimator(AdvantageEstimator):
+    """Critic-free turn credit for GRPO-style training: each turn's return-to-go against the rest
+    of its group.
+
+    Turn k of dialogue i gets G_{i,k} (the rewards of turns k, k+1, ...: with per-turn emotion
+    changes, what this reply and the later ones moved) less b_{i,k}, the mean of G_{j,k} over
+    the *other* members j of the group that reached turn k, divided by the std of the other
+    members' whole returns (`scale_by_std`). At turn 1, where the members share the opening,
+    this is GRPO with a leave-one-out baseline.
+
+    Why the baseline is unbiased, also when dialogues end at different turns: the members are
+    sampled independently from the shared opening, so b_{i,k} and the scale are functions of
+    the other members' dialogues only, independent of dialogue i; E[grad log pi(a_{i,k}) b_{i,k}]
+    = E[b_{i,k}] E[grad log pi(a_{i,k})] = 0. Which others reached turn k depends on their own
+    dialogues, never on i's, so conditioning on it is harmless. What is biased: normalising by
+    turn index with the dialogue itself inside the statistics (its own reward moves its
+    baseline), and crediting a turn with its own reward alone, ranked against the dialogues
+    still talking at that index: a reply that ends the dialogue early with a small gain then
+    outranks one that sets up a larger gain later, since the later gain is only ever compared
+    with other survivors (tests/test_turn_credit.py builds that case). The scale is positive
+    and independent of i too: it weights a group's gradient, it does not turn it.
+
+    Args:
+        scale_by_std: Divide by the std of the other members' returns (at least `std_floor`).
+        std_floor: The smallest divisor: others that all scored alike must not blow up the one
+            that did not.
+    """
+
+    requires_critic = False
+    requires_groups = True
+
+    def __init__(self, scale_by_std: bool = True, std_floor: float = 0.01) -> None:
+        if std_floor <= 0:
+            raise ValueError(f"std_floor ({std_floor}) must be > 0")
+        self.scale_by_std, self.std_floor = scale_by_std, std_floor
+
+    def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
+        turn_ids = _turn_ids(batch)
+        per_turn, unmatched = leave_one_out_turn_credit(
+            batch.token_rewards, batch.mask, turn_ids, batch.group_ids, batch.valid,
+            scale_by_std=self.scale_by_std, std_floor=self.std_floor,
+        )  # fmt: skip
+        advantages = broadcast_turns(per_turn, turn_ids, batch.mask)
+        counted = batch.valid_mask().to(advantages.dtype)
+        return AdvantageResult(
+            advantages=advantages * counted,
+            metrics={"advantage/turns_without_baseline": float(unmatched.sum().item())},
+        )
+
+
 @hookimpl
 def rlver_register_advantages(register):
     register("gae", GAEEstimator)
     register("grpo", GRPOEstimator)
+    register("turn_gae", TurnGAEEstimator)
+    register("turn_credit", TurnCreditEstimator)

@@ -1,4 +1,5 @@
-"""Built-in rewards: final emotion, thinking-format compliance, difficulty-aware emotion gain."""
+"""Built-in rewards: final emotion, thinking-format compliance, difficulty-aware emotion gain, and
+the per-turn emotion change."""
 
 from __future__ import annotations
 
@@ -9,11 +10,40 @@ from rlver.interfaces import RewardFunction
 from rlver.rollout import Trajectory
 
 
+def emotion_potential(emotion: float) -> float:
+    """The paper's reward as a function of an emotion: max(emotion / 100, 0)."""
+    return max(emotion / 100.0, 0.0)
+
+
 class FinalEmotionReward(RewardFunction):
     """The paper's reward: max(final emotion / 100, 0), once per dialogue."""
 
     def __call__(self, trajectories: Sequence[Trajectory]) -> list[float]:
-        return [max(t.final_emotion / 100.0, 0.0) for t in trajectories]
+        return [emotion_potential(t.final_emotion) for t in trajectories]
+
+
+class EmotionChangeReward(RewardFunction):
+    """Per policy turn: how the user's emotion moved after that reply, scaled as `final_emotion`.
+
+    Turn t earns phi(E_t) - phi(E_{t-1}), phi(E) = max(E / 100, 0) and E_t the emotion the user
+    reported after reply t: the emotion as the simulator applied it, so the difficulty's clamp
+    and scaling and the end conditions (success, failure, a turn the simulator could not play:
+    no change) are in it already. The turns sum to phi(E_T) - phi(E_0): with the final emotion
+    as a potential, this is `final_emotion` less a constant of the dialogue's start, and at
+    gamma = 1 it moves each turn's return-to-go to what that turn and the later ones earned.
+    """
+
+    def __call__(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+        scores = []
+        for trajectory in trajectories:
+            emotions = trajectory.emotions
+            per_turn = []
+            for turn in range(trajectory.num_turns):
+                before = emotions[min(turn, len(emotions) - 1)]
+                after = emotions[min(turn + 1, len(emotions) - 1)]  # no reaction yet: no change
+                per_turn.append(emotion_potential(after) - emotion_potential(before))
+            scores.append(per_turn)
+        return scores
 
 
 class FormatReward(RewardFunction):
@@ -64,3 +94,4 @@ def rlver_register_rewards(register):
     register("final_emotion", FinalEmotionReward)
     register("format", FormatReward)
     register("emotion_gain", EmotionGainReward)
+    register("emotion_change", EmotionChangeReward)

@@ -74,3 +74,122 @@ def group_normalized(
         centred = group_scores - group_scores.mean()
         advantages[members] = centred / (group_scores.std() + eps) if scale_by_std else centred
     return advantages, degenerate
+
+
+# --------------------------------------------------------------------------- turn-level credit
+def turn_end_rewards(turn_rewards: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) token rewards: turn k's reward (turn_rewards[:, k]) on the last position of turn k.
+
+    A turn without positions (none in practice: every reply has a token) hands its reward to
+    the last position of an earlier turn, or the first position; nothing is lost.
+    """
+    if turn_rewards.dim() != 2 or turn_rewards.shape[0] != mask.shape[0] or turn_ids.shape != mask.shape:
+        raise ValueError(
+            f"turn_rewards {tuple(turn_rewards.shape)}, turn_ids {tuple(turn_ids.shape)} and mask "
+            f"{tuple(mask.shape)} do not describe the same dialogues"
+        )
+    real = mask.bool()
+    if not real.any(dim=1).all():
+        raise ValueError("every dialogue needs at least one policy token")
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(turn_ids)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards = torch.zeros(mask.shape, dtype=turn_rewards.dtype, device=mask.device)
+    for turn in range(turn_rewards.shape[1]):
+        last = torch.where(real & (turn_ids <= turn), positions, -1).max(dim=1).values.clamp(min=0)
+        rewards.index_put_((rows, last), turn_rewards[:, turn].to(rewards.dtype), accumulate=True)
+    return rewards
+
+
+def turn_table(per_token: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """(B, K) per-turn view of a (B, T) tensor: its `sum` over each turn's positions, or its
+    value at each turn's `first` position; 0 where a dialogue has no such turn."""
+    real = mask.bool()
+    turns = int(turn_ids[real].max().item()) + 1 if real.any() else 1
+    table = torch.zeros((mask.shape[0], turns), dtype=per_token.dtype, device=per_token.device)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(turn_ids)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    for turn in range(turns):
+        in_turn = real & (turn_ids == turn)
+        if how == "sum":
+            table[:, turn] = (per_token * in_turn).sum(dim=1)
+        else:  # first
+            first = torch.where(in_turn, positions, mask.shape[1]).min(dim=1).values
+            present = first < mask.shape[1]
+            table[:, turn] = torch.where(present, per_token[rows, first.clamp(max=mask.shape[1] - 1)], 0)
+    return table
+
+
+def turn_presence(turn_ids: torch.Tensor, mask: torch.Tensor, turns: int) -> torch.Tensor:
+    """(B, K) bool: the dialogue has positions in turn k."""
+    real = mask.bool()
+    return torch.stack([(real & (turn_ids == turn)).any(dim=1) for turn in range(turns)], dim=1)
+
+
+def broadcast_turns(per_turn: torch.Tensor, turn_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T): each position gets its turn's value from the (B, K) table; 0 on padding."""
+    index = turn_ids.clamp(max=per_turn.shape[1] - 1)
+    return per_turn.gather(1, index) * mask.to(per_turn.dtype)
+
+
+def turn_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor,
+    gamma: float = 1.0, lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """GAE with the turn as the time step. Returns (advantages, returns), both (B, T).
+
+    Turn k's reward is the sum of its positions' rewards, its value the critic's at its first
+    position; delta_k = r_k + gamma * V_{k+1} - V_k (V after the last turn = 0), A_k = delta_k +
+    gamma * lam * A_{k+1}. Every position of turn k gets A_k, and A_k + V_k as its value target.
+    """
+    if not rewards.shape == values.shape == mask.shape == turn_ids.shape:
+        raise ValueError(f"shapes differ: rewards {rewards.shape}, values {values.shape}, mask {mask.shape}")
+    per_turn_rewards = turn_table(rewards, turn_ids, mask, "sum")
+    per_turn_values = turn_table(values, turn_ids, mask, "first")
+    present = turn_presence(turn_ids, mask, per_turn_rewards.shape[1]).to(values.dtype)
+    advantages = torch.zeros_like(per_turn_values)
+    running = torch.zeros_like(per_turn_values[:, 0])
+    next_value = torch.zeros_like(per_turn_values[:, 0])
+    for turn in reversed(range(per_turn_values.shape[1])):
+        delta = per_turn_rewards[:, turn] + gamma * next_value - per_turn_values[:, turn]
+        # A turn a dialogue does not have passes the carry and next value through untouched.
+        running = torch.where(present[:, turn] > 0, delta + gamma * lam * running, running)
+        next_value = torch.where(present[:, turn] > 0, per_turn_values[:, turn], next_value)
+        advantages[:, turn] = running * present[:, turn]
+    returns = (advantages + per_turn_values) * present
+    return broadcast_turns(advantages, turn_ids, mask), broadcast_turns(returns, turn_ids, mask)
+
+
+def leave_one_out_turn_credit(
+    rewards: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor, group_ids: torch.Tensor,
+    valid: torch.Tensor | None = None, *, scale_by_std: bool = True, std_floor: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Critic-free turn credit: (B, K) per-turn advantages, and (B, K) bool marking the turns
+    that had no baseline (no other member of the group reached them).
+
+    G_{i,k} is dialogue i's return from turn k on (gamma = 1: the sum of its turn rewards from
+    k). Its baseline is the mean of G_{j,k} over the other valid members j of its group that
+    reached turn k (0 when none did), and the advantage (G_{i,k} - baseline) / s_i, s_i the
+    std of the other members' whole returns G_{j,0}, at least `std_floor` (1 with fewer than
+    two others, or without `scale_by_std`): a floor, because others that all scored alike
+    would otherwise blow up the one that did not. See rlver_plugins.advantages.TurnCreditEstimator for why this
+    baseline is unbiased where per-turn-index normalisation is not.
+    """
+    per_turn = turn_table(rewards, turn_ids, mask, "sum")
+    present = turn_presence(turn_ids, mask, per_turn.shape[1])
+    valid = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device) if valid is None else valid.bool()
+    to_go = per_turn.flip(1).cumsum(1).flip(1) * present
+    advantages = torch.zeros_like(to_go)
+    unmatched = torch.zeros_like(present)
+    for group in torch.unique(group_ids[valid]):
+        members = torch.nonzero((group_ids == group) & valid).flatten()
+        for i in members.tolist():
+            others = members[members != i]
+            scale = 1.0
+            if scale_by_std and others.numel() >= 2:
+                scale = max(float(to_go[others, 0].std()), std_floor)
+            reached = present[others]  # (n-1, K)
+            count = reached.sum(dim=0)
+            baseline = (to_go[others] * reached).sum(dim=0) / count.clamp(min=1)
+            advantages[i] = (to_go[i] - baseline) * present[i] / scale
+            unmatched[i] = present[i] & (count == 0)
+    return advantages, unmatched

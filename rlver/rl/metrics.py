@@ -40,3 +40,49 @@ class WeightedMeans:
         if summed[-1] <= 0:
             return {}
         return {name: float(summed[i] / summed[-1]) for i, name in enumerate(self.names)}
+
+
+def turn_metrics(
+    turn_rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    turn_ids: torch.Tensor,
+    mask: torch.Tensor,
+    valid: torch.Tensor,
+    turns: int,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+) -> dict[str, float]:
+    """Where the step's credit went, by turn index (1-based), over every rank's valid dialogues:
+    `turn/reward_mean_k` (turn k's reward, over the dialogues that reached it),
+    `turn/advantage_mean_k` (over their tokens of turn k) and `turn/dialogues_k`.
+
+    A collective (the sums are global), so every rank logs the same keys and values; a turn
+    index no dialogue reached is left out.
+    """
+    from rlver.rl.advantages import turn_table
+
+    def widened(table: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((table.shape[0], turns), dtype=torch.float64, device=table.device)
+        width = min(turns, table.shape[1])
+        out[:, :width] = table[:, :width]
+        return out
+
+    tokens = widened(turn_table(mask.to(advantages.dtype), turn_ids, mask, "sum"))
+    counted = (tokens > 0) & valid.bool()[:, None]
+    tokens = tokens * counted
+    stats = torch.stack(
+        [
+            (widened(turn_rewards.to(advantages.device)) * counted).sum(dim=0),
+            counted.sum(dim=0).to(torch.float64),
+            (widened(turn_table(advantages, turn_ids, mask, "sum")) * counted).sum(dim=0),
+            tokens.sum(dim=0),
+        ]
+    )
+    reward_sums, dialogues, advantage_sums, token_counts = reduce_sum(stats).cpu()
+    metrics = {}
+    for turn in range(turns):
+        if dialogues[turn] > 0:
+            k = turn + 1
+            metrics[f"turn/reward_mean_{k}"] = float(reward_sums[turn] / dialogues[turn])
+            metrics[f"turn/advantage_mean_{k}"] = float(advantage_sums[turn] / token_counts[turn].clamp(min=1))
+            metrics[f"turn/dialogues_{k}"] = float(dialogues[turn])
+    return metrics
