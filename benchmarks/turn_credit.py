@@ -141,11 +141,18 @@ def table(summary: dict) -> str:
             f"{cell(row['final_train_final_emotion'])} | {steps} | {row['seconds_per_run'][0]:.0f} |"
         )
     arms = list(summary["arms"])
-    lines += ["", "training final emotion by step (mean ± SE over seeds)", "", "| step | " + " | ".join(arms) + " |"]
+    lines += [
+        "",
+        "training final emotion by step (mean ± SE over seeds)",
+        "",
+        "| step | " + " | ".join(arms) + " |",
+    ]
     lines.append("|---" * (len(arms) + 1) + "|")
     length = min(len(row["curve"]) for row in summary["arms"].values())
     for step in range(length):
-        lines.append(f"| {step + 1} | " + " | ".join(cell(summary["arms"][a]["curve"][step]) for a in arms) + " |")
+        lines.append(
+            f"| {step + 1} | " + " | ".join(cell(summary["arms"][a]["curve"][step]) for a in arms) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -155,7 +162,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "turn_credit")
-    parser.add_argument("--out", type=Path, default=None, help="summary JSON (default: <work-dir>/summary.json)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="summary JSON (default: <work-dir>/summary.json)"
+    )
     parser.add_argument("--keep-checkpoints", action="store_true")
     args = parser.parse_args()
     if len(args.seeds) < 2:

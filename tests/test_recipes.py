@@ -83,7 +83,9 @@ def _flat(tree, prefix=""):
     """{"a.b": leaf} for a nested mapping (a list is a leaf)."""
     if not isinstance(tree, dict):
         return {prefix: tree}
-    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}".lstrip(".")).items()}
+    return {
+        k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}".lstrip(".")).items()
+    }
 
 
 @pytest.mark.parametrize(

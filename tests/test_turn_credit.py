@@ -35,7 +35,9 @@ def dialogue(emotions, reply_tokens=None, termination="max_turns"):
     prompt = [1]
     for count in reply_tokens:
         response = list(range(10, 10 + count))
-        t.policy_turns.append(PolicyTurn(list(prompt), response, [-0.1] * count, "stop", "r", ParsedReply("r")))
+        t.policy_turns.append(
+            PolicyTurn(list(prompt), response, [-0.1] * count, "stop", "r", ParsedReply("r"))
+        )
         prompt = prompt + response + [5]  # the user's answer joins the history
     return t
 
@@ -62,7 +64,11 @@ def test_emotion_change_pays_each_turn_what_it_moved_and_sums_to_the_final_emoti
     ]
     trajectories[2].policy_turns.append(trajectories[2].policy_turns[0])  # a reply the user never answered
     changes = EmotionChangeReward()(trajectories)
-    assert changes == [pytest.approx([0.1, -0.05, 0.55]), pytest.approx([-0.2, -0.1]), pytest.approx([0.08, 0.0])]
+    assert changes == [
+        pytest.approx([0.1, -0.05, 0.55]),
+        pytest.approx([-0.2, -0.1]),
+        pytest.approx([0.08, 0.0]),
+    ]
     finals = FinalEmotionReward()(trajectories)
     for change, final, trajectory in zip(changes, finals, trajectories, strict=True):
         assert sum(change) == pytest.approx(final - max(trajectory.start_emotion / 100, 0))
@@ -76,7 +82,9 @@ def test_dialogue_and_turn_rewards_mix_and_a_wrong_length_names_the_plugin():
     close(table, [[0.05, 0.45 - 0.025], [0.6 + 0.1, 0.0]])
     assert metrics["reward/total"] == pytest.approx((0.475 + 0.7) / 2)
     assert metrics["reward/emotion_change"] == pytest.approx((0.05 + 0.2) / 2)
-    with pytest.raises(ValueError, match=r"reward 'bad' returned 1 per-turn scores for dialogue 0 \(p\), which has 2"):
+    with pytest.raises(
+        ValueError, match=r"reward 'bad' returned 1 per-turn scores for dialogue 0 \(p\), which has 2"
+    ):
         score_dialogues([("bad", 1.0, lambda ts: [[0.1] for _ in ts])], trajectories, {})
 
 
@@ -118,7 +126,10 @@ def test_turn_gae_takes_the_turn_as_the_time_step():
         pytest.approx([-0.4, -0.4, -2.5, -2.5, -4.7]),
         pytest.approx([-1.0, -2.5, -2.5, 0.0, 0.0]),
     ]
-    assert result.returns.tolist() == [pytest.approx([0.6, 0.6, 0.5, 0.5, 0.3]), pytest.approx([0.0, -0.5, -0.5, 0, 0])]
+    assert result.returns.tolist() == [
+        pytest.approx([0.6, 0.6, 0.5, 0.5, 0.3]),
+        pytest.approx([0.0, -0.5, -0.5, 0, 0]),
+    ]
     discounted = TurnGAEEstimator(gamma=0.5, lam=0.5, whiten=False)(batch)
     a2 = 0.3 - 5
     a1 = 0.2 + 0.5 * 5 - 3 + 0.25 * a2
@@ -132,7 +143,9 @@ def test_turn_credit_compares_each_turns_return_with_the_other_members():
     mask, turn_ids, rewards = timeline(
         [[0.1, 0.2, 0.3], [0.5, -0.5], [0.0, 0.4, 0.0], [9.0]], [[1, 1, 1], [1, 2], [2, 1, 1], [1]]
     )
-    batch = AdvantageBatch(rewards, None, mask, T([0, 0, 0, 1]), valid=T([True, True, True, False]), turn_ids=turn_ids)
+    batch = AdvantageBatch(
+        rewards, None, mask, T([0, 0, 0, 1]), valid=T([True, True, True, False]), turn_ids=turn_ids
+    )
     result = TurnCreditEstimator(scale_by_std=False)(batch)
     # returns-to-go: d0 [0.6, 0.5, 0.3], d1 [0.0, -0.5], d2 [0.4, 0.4, 0.0]; d3 is invalid
     expected = [
@@ -168,7 +181,9 @@ def expected_gradient(estimate, p, group_size=4):
     for choices in itertools.product([True, False], repeat=group_size):
         rewards, lengths = zip(*(RESOLVE if resolved else EXPLORE for resolved in choices), strict=True)
         mask, turn_ids, token_rewards = timeline(list(rewards), list(lengths))
-        advantages = estimate(AdvantageBatch(token_rewards, None, mask, torch.zeros(group_size), turn_ids=turn_ids))
+        advantages = estimate(
+            AdvantageBatch(token_rewards, None, mask, torch.zeros(group_size), turn_ids=turn_ids)
+        )
         probability = torch.tensor([p if resolved else 1 - p for resolved in choices]).prod().item()
         scores = [(1 - p) if resolved else -p for resolved in choices]  # dlog pi(a)/dtheta, sigmoid policy
         total += probability * sum(advantages[row, 0].item() * score for row, score in enumerate(scores))
@@ -205,7 +220,9 @@ def test_the_turn_credit_baseline_is_unbiased_where_per_turn_index_normalisation
 def test_turn_metrics_are_step_wide_and_skip_turns_nobody_reached():
     mask, turn_ids, _ = timeline([[0.1, 0.2], [0.3]], [[1, 2], [2]])
     table, advantages = T([[0.1, 0.2], [0.3, 0.0]]), T([[1.0, 2.0, 4.0], [0.5, 0.5, 0.0]])
-    metrics = turn_metrics(table, advantages, turn_ids, mask, T([True, True]), 4, lambda x: x * 2)  # 2 "ranks"
+    metrics = turn_metrics(
+        table, advantages, turn_ids, mask, T([True, True]), 4, lambda x: x * 2
+    )  # 2 "ranks"
     assert metrics == pytest.approx(
         {
             "turn/reward_mean_1": 0.2, "turn/advantage_mean_1": (1.0 + 0.5 + 0.5) / 3, "turn/dialogues_1": 4.0,

@@ -171,8 +171,8 @@ def leave_one_out_turn_credit(
     reached turn k (0 when none did), and the advantage (G_{i,k} - baseline) / s_i, s_i the
     std of the other members' whole returns G_{j,0}, at least `std_floor` (1 with fewer than
     two others, or without `scale_by_std`): a floor, because others that all scored alike
-    would otherwise blow up the one that did not. See rlver_plugins.advantages.TurnCreditEstimator for why this
-    baseline is unbiased where per-turn-index normalisation is not.
+    would otherwise blow up the one that did not. See rlver_plugins.advantages.TurnCreditEstimator
+    for why this baseline is unbiased where per-turn-index normalisation is not.
     """
     per_turn = turn_table(rewards, turn_ids, mask, "sum")
     present = turn_presence(turn_ids, mask, per_turn.shape[1])

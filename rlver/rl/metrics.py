@@ -83,6 +83,7 @@ def turn_metrics(
         if dialogues[turn] > 0:
             k = turn + 1
             metrics[f"turn/reward_mean_{k}"] = float(reward_sums[turn] / dialogues[turn])
-            metrics[f"turn/advantage_mean_{k}"] = float(advantage_sums[turn] / token_counts[turn].clamp(min=1))
+            tokens = token_counts[turn].clamp(min=1)
+            metrics[f"turn/advantage_mean_{k}"] = float(advantage_sums[turn] / tokens)
             metrics[f"turn/dialogues_{k}"] = float(dialogues[turn])
     return metrics
