@@ -100,12 +100,17 @@ def steps_to_reach(curve: list[float], target: float, window: int = 3) -> int | 
     return None
 
 
+def tail_mean(curve: list[float], window: int = 3) -> float:
+    tail = curve[-window:]
+    return sum(tail) / len(tail)
+
+
 def summarize(runs: list[dict]) -> dict:
     by_arm: dict[str, list[dict]] = {}
     for run in runs:
         by_arm.setdefault(run["arm"], []).append(run)
     outcome = by_arm.get("outcome_grpo", [])
-    target = mean_se([sum(r["train_final_emotion"][-3:]) / 3 for r in outcome])[0] if outcome else None
+    target = mean_se([tail_mean(r["train_final_emotion"]) for r in outcome])[0] if outcome else None
     summary = {"target_train_final_emotion": target, "arms": {}}
     for arm, arm_runs in by_arm.items():
         reached = [steps_to_reach(r["train_final_emotion"], target) for r in arm_runs] if target else []
@@ -115,7 +120,7 @@ def summarize(runs: list[dict]) -> dict:
             "before": mean_se([r["before"] for r in arm_runs]),
             "after": mean_se([r["after"] for r in arm_runs]),
             "gain": mean_se([r["after"] - r["before"] for r in arm_runs]),
-            "final_train_final_emotion": mean_se([sum(r["train_final_emotion"][-3:]) / 3 for r in arm_runs]),
+            "final_train_final_emotion": mean_se([tail_mean(r["train_final_emotion"]) for r in arm_runs]),
             "steps_to_target": reached,
             "steps_to_target_mean": mean_se([s for s in reached if s is not None]) if any(reached) else None,
             "curve": [mean_se([r["train_final_emotion"][i] for r in arm_runs]) for i in range(length)],
@@ -129,7 +134,8 @@ def table(summary: dict) -> str:
         return "n/a" if pair is None else f"{pair[0]:.1f} ± {pair[1]:.1f}"
 
     lines = [
-        "| arm | greedy before | greedy after | gain | final training emotion | steps to outcome GRPO's final | s/run |",
+        "| arm | greedy before | greedy after | gain | final training emotion "
+        "| steps to outcome GRPO's final | s/run |",
         "|---|---|---|---|---|---|---|",
     ]
     for arm, row in summary["arms"].items():
