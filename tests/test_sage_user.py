@@ -541,17 +541,18 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
         """)
     )
     out = tmp_path / "dialogues.jsonl"
-    result = run_cli("rollout", "--config", config, "--split", "test", "--limit", "3", "--out", out)
+    # Two users: a batch of concurrent dialogues (the recorded-answer tests cover larger ones).
+    result = run_cli("rollout", "--config", config, "--split", "test", "--limit", "2", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     print(result.stdout)  # the summary and simulator counters, shown with `pytest -s`
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) == 3
+    assert len(records) == 2
     counters = {}
     for line in result.stdout.splitlines():
         if line.startswith("simulator ") and not line.startswith("simulator errors"):
             name, value = line.split()[1:3]
             counters[name] = float(value)
-    assert counters["requests"] >= 3  # at least one planning call per dialogue reached the server
+    assert counters["requests"] >= 2  # at least one planning call per dialogue reached the server
     errors = 0
     reasks = 0
     for record in records:
@@ -577,7 +578,7 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
     if response_format == "json_schema":
         assert errors == 0 and reasks == 0
         assert all(record["termination"] != "simulator_error" for record in records)
-        assert sum(record["num_turns"] for record in records) >= 3
+        assert all(record["num_turns"] >= 1 for record in records)
 
 
 @pytest.mark.slow

@@ -316,6 +316,7 @@ class WarmLauncher:
 
     def _start(self) -> bool:
         env = self._start_env()
+        _log_launch(["(warm process)"], "started")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.warm_launcher"],
             stdin=subprocess.PIPE,
