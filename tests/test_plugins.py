@@ -20,8 +20,8 @@ BUILTINS = {
     "formats": {"formats": ["think", "nothink"]},
     "hf_engine": {"engines": ["hf"]},
     "vllm_engine": {"engines": ["vllm"]},
-    "rewards": {"rewards": ["final_emotion", "format", "emotion_gain"]},
-    "advantages": {"advantages": ["gae", "grpo"]},
+    "rewards": {"rewards": ["final_emotion", "format", "emotion_gain", "emotion_change"]},
+    "advantages": {"advantages": ["gae", "grpo", "turn_gae", "turn_credit"]},
 }
 
 
@@ -195,7 +195,7 @@ def rlver_register_simulators(register):
 
 @hookimpl
 def rlver_on_rollout_end(trajectories, step):
-    with open(os.environ["ECHO_LOG"], "a") as handle:
+    with open(os.environ["RLVER_TEST_ECHO_LOG"], "a") as handle:
         handle.write(json.dumps({"dialogues": len(trajectories), "step": step}) + "\\n")
 """
 
@@ -271,7 +271,7 @@ def test_third_party_simulator_is_selectable_from_a_config(third_party_site, tmp
         out,
         "--limit",
         "2",
-        env=_env_with(third_party_site, ECHO_LOG=str(log)),
+        env=_env_with(third_party_site, RLVER_TEST_ECHO_LOG=str(log)),  # read at run time
     )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]

@@ -40,8 +40,22 @@ def test_what_import_time_reads_sends_a_launch_to_a_fresh_interpreter():
     assert launcher.needs_fresh_process(["fit"], {**env, "ATEN_CPU_CAPABILITY": "avx2"})  # torch, at load
     assert launcher.needs_fresh_process(["fit"], {**env, "RLVER_VERBOSE": "1"})  # logging, at import
     assert launcher.needs_fresh_process(["fit", "--verbose"], env)
-    assert launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": "/some/site"})  # its .pth files
     assert launcher.needs_fresh_process(["fit"], env, fresh=True)
+
+
+def test_a_new_pythonpath_folder_stays_warm_unless_it_shadows_an_imported_module(tmp_path):
+    """A PYTHONPATH folder is no site folder (no .pth files): new modules only, unless it holds
+    one the warm process imported, which a fresh interpreter would take from it instead."""
+    launcher = _warm_launcher()
+    env = dict(os.environ)
+    plugins, shadows = tmp_path / "plugins", tmp_path / "shadows"
+    (plugins / "rlver_echo_user").mkdir(parents=True)
+    (plugins / "rlver_echo_user-0.3.0.dist-info").mkdir()
+    (shadows / "transformers").mkdir(parents=True)
+    (shadows / "yaml.py").write_text("")
+    assert launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": str(plugins)}) == ""
+    why = launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": str(shadows)})
+    assert "transformers" in why and "yaml" in why
 
 
 def test_a_change_to_this_processs_own_environment_warms_up_again(monkeypatch):
@@ -67,16 +81,16 @@ def test_a_background_child_is_signalled_and_reports_the_signal(tmp_path):
 ENVIRONMENT_AFTER_VLLM_LOADS = """
 import json, os, sys
 import rlver.cli
-from tests import warm_launcher
+from tests import warm_process
 if sys.argv[1] == "warm":
     before = dict(os.environ)
-    warm_launcher._preload_vllm()
+    warm_process._preload_vllm()
     assert dict(os.environ) == before, "the preload left vLLM's variables in the warm process"
 from rlver_plugins.vllm_engine import engine
 engine._import_vllm()
 if sys.argv[1] == "fresh":  # what vllm.LLM loads next, as a fresh run does when it starts
     import importlib
-    for module in warm_launcher.VLLM_ENGINE_MODULES:
+    for module in warm_process.VLLM_ENGINE_MODULES:
         importlib.import_module(module)
 print(json.dumps(dict(os.environ)))
 """
