@@ -33,19 +33,6 @@ def _share_the_cores_between_workers():
 _share_the_cores_between_workers()
 
 
-def _keep_freed_memory_in_the_launched_processes():
-    """glibc hands tensors over 32 MB to mmap and unmaps them when freed, so the next one faults
-    in (and zeroes) fresh pages: kernel CPU, dear in a VM (a 2-step GRPO fit here: 8.5 s of
-    system time, 6.8 s with these; user 36.5 s, 33.8 s). Kept in the process's heap instead.
-    Read when a process starts: it reaches the rlver processes the tests launch (and their warm
-    launcher), not this already running worker. Allocation policy only: no result changes."""
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(4 * 2**30))
-        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(16 * 2**30))
-
-
-_keep_freed_memory_in_the_launched_processes()
-
 # Test folders in memory where there is room: the suite writes ~27 GB of checkpoints, and on a
 # virtual disk each GB cost ~6 s of kernel CPU (measured here: 1.6 GB took 9.6 s of system time to
 # the disk, 0.9 s to /dev/shm), time the training tests then lack. A passed test's folder is
