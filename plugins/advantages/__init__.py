@@ -32,6 +32,7 @@ class GAEEstimator(AdvantageEstimator):
     """
 
     requires_critic = True
+    name = "gae"
 
     def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
         if not 0.0 <= gamma <= 1.0:
@@ -40,32 +41,33 @@ class GAEEstimator(AdvantageEstimator):
             raise ValueError(f"lam ({lam}) must be within [0, 1]")
         self.gamma, self.lam, self.whiten = gamma, lam, whiten
 
+    def _advantages(self, batch: AdvantageBatch):
+        return gae(batch.token_rewards, batch.values, batch.mask, self.gamma, self.lam)
+
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
         if batch.values is None:
-            raise ValueError("the gae estimator needs critic values")
-        advantages, returns = gae(batch.token_rewards, batch.values, batch.mask, self.gamma, self.lam)
-        return _critic_result(batch, advantages, returns, self.whiten)
-
-
-def _critic_result(batch: AdvantageBatch, advantages, returns, whiten: bool) -> AdvantageResult:
-    counted = batch.valid_mask().to(advantages.dtype)
-    if whiten:
-        # One all-reduce of (count, sum, sum of squares): the step's mean and variance.
-        totals = batch.global_sum(
-            torch.stack([counted.sum(), (advantages * counted).sum(), (advantages.square() * counted).sum()])
-        )
-        count = totals[0].clamp(min=1)
-        mean = totals[1] / count
-        variance = (totals[2] / count - mean.square()).clamp(min=0)
-        advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
-    return AdvantageResult(advantages=advantages * counted, returns=returns)
+            raise ValueError(f"the {self.name} estimator needs critic values")
+        advantages, returns = self._advantages(batch)
+        counted = batch.valid_mask().to(advantages.dtype)
+        if self.whiten:
+            # One all-reduce of (count, sum, sum of squares): the step's mean and variance.
+            totals = batch.global_sum(
+                torch.stack(
+                    [counted.sum(), (advantages * counted).sum(), (advantages.square() * counted).sum()]
+                )
+            )
+            count = totals[0].clamp(min=1)
+            mean = totals[1] / count
+            variance = (totals[2] / count - mean.square()).clamp(min=0)
+            advantages = (advantages - mean) * torch.rsqrt(variance + 1e-8)
+        return AdvantageResult(advantages=advantages * counted, returns=returns)
 
 
 def _turn_ids(batch: AdvantageBatch):
     return batch.turn_ids if batch.turn_ids is not None else torch.zeros_like(batch.mask, dtype=torch.long)
 
 
-class TurnGAEEstimator(AdvantageEstimator):
+class TurnGAEEstimator(GAEEstimator):
     """GAE with the turn as the time step (a learned critic, as `gae`).
 
     A turn's reward is what its tokens carry (its per-turn reward, a dialogue reward on the
@@ -80,22 +82,10 @@ class TurnGAEEstimator(AdvantageEstimator):
         whiten: As `gae`: over the tokens of the whole step, failed dialogues left out.
     """
 
-    requires_critic = True
+    name = "turn_gae"
 
-    def __init__(self, gamma: float = 1.0, lam: float = 1.0, whiten: bool = True) -> None:
-        if not 0.0 <= gamma <= 1.0:
-            raise ValueError(f"gamma ({gamma}) must be within [0, 1]")
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"lam ({lam}) must be within [0, 1]")
-        self.gamma, self.lam, self.whiten = gamma, lam, whiten
-
-    def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
-        if batch.values is None:
-            raise ValueError("the turn_gae estimator needs critic values")
-        advantages, returns = turn_gae(
-            batch.token_rewards, batch.values, batch.mask, _turn_ids(batch), self.gamma, self.lam
-        )
-        return _critic_result(batch, advantages, returns, self.whiten)
+    def _advantages(self, batch: AdvantageBatch):
+        return turn_gae(batch.token_rewards, batch.values, batch.mask, _turn_ids(batch), self.gamma, self.lam)
 
 
 class GRPOEstimator(AdvantageEstimator):
