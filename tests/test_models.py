@@ -32,3 +32,20 @@ def test_the_first_use_converts_the_packaged_gguf_without_a_progress_bar(tmp_pat
     output = result.stdout + result.stderr
     assert "converting the embedded SmolLM2 weights" in output  # rlver's one line says what happens
     assert "de-quantizing" not in output and "it/s]" not in output, output[-2000:]  # no bar
+
+
+def test_the_conversion_parses_the_gguf_once_and_puts_the_libraries_back():
+    gguf = pytest.importorskip("gguf")
+    import importlib.util
+    from pathlib import Path
+
+    from rlver import models
+
+    spec = importlib.util.find_spec(models._GGUF_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / models._GGUF_FILE
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with models._quiet_gguf_reading():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the ~50k-entry vocabulary parsed once
+        assert "tokenizer.ggml.tokens" in first.fields
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
