@@ -61,9 +61,19 @@ def test_a_new_pythonpath_folder_stays_warm_unless_it_shadows_an_imported_module
 def test_a_change_to_this_processs_own_environment_warms_up_again(monkeypatch):
     launcher = _warm_launcher()
     assert launcher.needs_fresh_process(["fit"], dict(os.environ)) == ""
+    before = launcher.process
     monkeypatch.setenv("RLVER_VERBOSE", "1")  # as an in-process `rlver --verbose` leaves it
     assert launcher.needs_fresh_process(["fit"], dict(os.environ)) == ""  # a new warm process
-    assert launcher.warm_env["RLVER_VERBOSE"] == "1"
+    assert launcher.warm_env["RLVER_VERBOSE"] == "1" and launcher.process is not before
+    verbose = launcher.process
+    assert run_rlver(["--version"]).returncode == 0
+    monkeypatch.undo()  # the environment is back: the parked process serves again, still running
+    assert launcher.needs_fresh_process(["fit"], dict(os.environ)) == ""
+    assert launcher.process is before and before.poll() is None and "RLVER_VERBOSE" not in launcher.warm_env
+    assert run_rlver(["--version"]).returncode == 0
+    monkeypatch.setenv("RLVER_VERBOSE", "1")
+    assert launcher.needs_fresh_process(["fit"], dict(os.environ)) == "" and launcher.process is verbose
+    monkeypatch.undo()
 
 
 def test_a_background_child_is_signalled_and_reports_the_signal(tmp_path):

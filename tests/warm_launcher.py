@@ -42,6 +42,8 @@ RUN_TIME_VARIABLES = (
     "RLVER_TRACE_HOOKS",
     "RLVER_DISABLE_PLUGINS",
     "RLVER_CACHE_DIR",
+    "MASTER_ADDR",  # torch.distributed reads these when a process group starts
+    "MASTER_PORT",
 )
 RUN_TIME_PREFIXES = ("RLVER_SIMULATOR_", "RLVER_TEST_", "PYTEST_")
 
@@ -87,6 +89,7 @@ class WarmLauncher:
         self.set_at_import: dict[str, str] = {}
         self.imported: set[str] = set()
         self.busy = False
+        self.parked: dict | None = None  # the warm process of the environment before the last change
 
     def _start_env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": self.repo}
@@ -121,7 +124,7 @@ class WarmLauncher:
         if "--verbose" in argv:
             return "--verbose (logging is set at import)"
         if self.process is not None and _import_time_differences(self._start_env(), self.warm_env):
-            self.close()  # this test process's own environment changed since: warm up again
+            self._swap_with_parked()  # this test process's own environment changed since
         if (self.process is None or self.process.poll() is not None) and not self._start():
             return "no warm process"
         # The warm process imported with its own environment: a launch's may differ only in
@@ -232,15 +235,39 @@ class WarmLauncher:
             raise RuntimeError(f"the warm launcher died while running rlver {argv}")
         return json.loads(line)["returncode"]
 
+    _STATE = ("process", "warm_env", "set_at_import", "imported", "_unread")
+
+    def _swap_with_parked(self) -> None:
+        """Park the warm process of the old environment, take the parked one if it was warmed
+        in this one (else warm up again): a test that changes its own environment for a while
+        (monkeypatch) costs one warm-up, not a second one when the environment is back."""
+        self._end_left_behind()
+        current = {name: getattr(self, name) for name in self._STATE}
+        parked, self.parked = self.parked, current
+        if parked is not None and not _import_time_differences(self._start_env(), parked["warm_env"]):
+            for name, value in parked.items():
+                setattr(self, name, value)
+        else:
+            if parked is not None:
+                _stop(parked["process"])
+            self.process = None
+
     def close(self) -> None:
+        if self.parked is not None:
+            _stop(self.parked["process"])
+            self.parked = None
         if self.process is not None:
             self._end_left_behind()
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+            _stop(self.process)
             self.process = None
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.stdin.close()  # the warm process exits at the end of its input
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 class WarmProcess:
