@@ -70,9 +70,17 @@ class UserSession(ABC):
 class UserSimulator(ABC):
     """Creates user sessions and answers a whole batch of them per turn.
 
-    The rollout loop only calls `open` and `respond_batch`; simulators backed
-    by a remote LLM override `respond_batch` to run the sessions concurrently.
+    The rollout loop only calls `open`, `opening_batch` and `respond_batch`; simulators backed
+    by a remote LLM override them to run the sessions concurrently.
+
+    `waits_on_io`: True when a call mostly waits on something outside this process (an LLM
+    endpoint) and calls for different sessions may run at once from different threads. The
+    dialogue-level rollout then asks for each dialogue's answer on its own, as soon as its
+    reply is sampled, and the dialogue goes on when its user has answered. False (in-process
+    users): the replies sampled together are answered together, in one batched call.
     """
+
+    waits_on_io: bool = False
 
     @abstractmethod
     def open(self, profile: Profile, *, seed: int) -> UserSession:
@@ -158,6 +166,10 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    # One seed per prompt: a prompt's sample then depends on its own seed and the weights only,
+    # never on which other prompts share the call (the rollout passes them, so scheduling cannot
+    # change a dialogue). None: the engine derives them from `seed` and the prompt's index.
+    prompt_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -186,7 +198,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
-        """One completion per prompt; deterministic for the same inputs and seed."""
+        """One completion per prompt; deterministic for the same inputs and seed. Given
+        `sampling.prompt_seeds`, prompt i samples with seed prompt_seeds[i] alone."""
 
     def sync_weights(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Make the engine sample from the policy's current weights.

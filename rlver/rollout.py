@@ -1,9 +1,11 @@
 """Multi-turn rollouts: a batch of dialogues between the policy and simulated users.
 
-The user speaks first. Each turn, every active dialogue's context goes to the
-engine in one batched call; the format splits each completion into thinking
-and visible reply; the simulator answers all active dialogues in one call and
-moves their emotions. Finished dialogues leave the batch; the rest go on.
+The user speaks first. The engine samples a batch of dialogues' replies in one call; the
+format splits each completion into thinking and visible reply; the simulator answers and
+moves the emotions. Finished dialogues leave; the rest go on. Which dialogues share an engine
+call is the schedule's choice (rlver.rollout_schedule: as soon as each user has answered, by
+default, or in lockstep); each reply is sampled with a seed of its own dialogue and turn, so
+the schedule never changes what a dialogue says.
 
 Token exactness: a policy turn stores the exact prompt ids given to the engine
 and the exact ids it sampled, with their log-probs, so training never
@@ -20,11 +22,10 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rlver.interfaces import (
-    ParsedReply,
     PromptFormat,
     RolloutEngine,
     SamplingSettings,
@@ -32,7 +33,14 @@ from rlver.interfaces import (
     UserSimulator,
 )
 from rlver.models import Policy
+from rlver.rollout_schedule import SCHEDULES, group_openings, run_dialogue_level, run_lockstep, turn_seed
+from rlver.trajectory import PolicyTurn, TokenSequence, Trajectory, pack_sequences, summarize
 from rlver.types import Profile, UserTurn
+
+__all__ = [
+    "PolicyTurn", "RolloutRunner", "RolloutSettings", "StopRequested", "TokenSequence", "Trajectory",
+    "dialogue_seed", "pack_sequences", "summarize",
+]  # fmt: skip
 
 
 class StopRequested(Exception):
@@ -51,6 +59,9 @@ class RolloutSettings:
         max_context_tokens: A dialogue whose next prompt plus reply would exceed this ends
             with termination "context_limit".
         seed: Base seed; dialogue i of a call uses a seed derived from it, the profile and i.
+        schedule: `dialogue`: each dialogue goes on as soon as its user has answered (users
+            behind an endpoint are asked one dialogue at a time, concurrently); `lockstep`: every
+            turn waits for all generations and then all answers (rlver.rollout_schedule).
     """
 
     max_turns: int = 8
@@ -59,8 +70,11 @@ class RolloutSettings:
     top_p: float = 1.0
     max_context_tokens: int = 4096
     seed: int = 0
+    schedule: str = "dialogue"
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule ({self.schedule!r}) must be one of {', '.join(SCHEDULES)}")
         if self.max_turns < 1:
             raise ValueError(f"max_turns ({self.max_turns}) must be >= 1")
         if self.max_context_tokens <= self.max_new_tokens:
@@ -71,138 +85,6 @@ class RolloutSettings:
         SamplingSettings(self.max_new_tokens, self.temperature, self.top_p, self.seed)  # validates the rest
 
 
-@dataclass
-class PolicyTurn:
-    """One policy reply: exact ids in and out, their log-probs, and the parse."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    completion: str
-    parsed: ParsedReply
-
-
-@dataclass
-class TokenSequence:
-    """A packed training sequence; `loss_mask` is 1 exactly on policy-sampled tokens.
-
-    `old_logprobs` holds the engine's log-probs at masked positions, 0 elsewhere.
-    `turn_spans` lists (turn index, start, end) of each policy reply in the sequence.
-    """
-
-    input_ids: list[int]
-    loss_mask: list[int]
-    old_logprobs: list[float]
-    turn_spans: list[tuple[int, int, int]]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclass
-class Trajectory:
-    """A finished dialogue: the transcript, the exact tokens, and the outcome."""
-
-    profile: Profile
-    seed: int
-    system_prompt: str
-    user_turns: list[UserTurn] = field(default_factory=list)
-    policy_turns: list[PolicyTurn] = field(default_factory=list)
-    termination: str = ""
-    components: dict[str, Any] = field(default_factory=dict)
-    difficulty: str | None = None  # the level the user played (per simulator, profile or curriculum)
-
-    @property
-    def start_emotion(self) -> float:
-        return self.user_turns[0].emotion
-
-    @property
-    def final_emotion(self) -> float:
-        return self.user_turns[-1].emotion
-
-    @property
-    def emotions(self) -> list[float]:
-        """Emotion after the opening line and after each policy reply."""
-        return [turn.emotion for turn in self.user_turns]
-
-    @property
-    def num_turns(self) -> int:
-        return len(self.policy_turns)
-
-    @property
-    def format_violations(self) -> int:
-        return sum(not turn.parsed.format_ok for turn in self.policy_turns)
-
-    @property
-    def sequences(self) -> list[TokenSequence]:
-        return pack_sequences(self.policy_turns)
-
-    def to_record(self) -> dict[str, Any]:
-        """The self-describing transcript line written to JSONL."""
-        turns: list[dict[str, Any]] = []
-        for index, user_turn in enumerate(self.user_turns):
-            user: dict[str, Any] = {"role": "user", "text": user_turn.text, "emotion": user_turn.emotion}
-            if index > 0:
-                user["change"] = user_turn.change
-                user["reason"] = user_turn.reason
-            turns.append(user)
-            if index < len(self.policy_turns):
-                policy_turn = self.policy_turns[index]
-                turns.append(
-                    {
-                        "role": "assistant",
-                        "text": policy_turn.parsed.visible,
-                        "thinking": policy_turn.parsed.thinking,
-                        "format_ok": policy_turn.parsed.format_ok,
-                        "format_error": policy_turn.parsed.format_error,
-                        "num_tokens": len(policy_turn.response_ids),
-                        "finish_reason": policy_turn.finish_reason,
-                    }
-                )
-        profile = self.profile
-        return {
-            "profile_id": profile.id,
-            "theme": profile.theme.value if profile.theme else None,
-            "personality": profile.personality.value if profile.personality else None,
-            "language": profile.language,
-            **self.components,
-            "seed": self.seed,
-            "difficulty": self.difficulty,
-            "system_prompt": self.system_prompt,
-            "start_emotion": self.start_emotion,
-            "final_emotion": self.final_emotion,
-            "emotions": self.emotions,
-            "termination": self.termination,
-            "num_turns": self.num_turns,
-            "format_violations": self.format_violations,
-            "turns": turns,
-        }
-
-
-def pack_sequences(policy_turns: Sequence[PolicyTurn]) -> list[TokenSequence]:
-    """Pack turns into sequences; a turn whose prompt extends the previous sequence joins it."""
-    sequences: list[TokenSequence] = []
-    for index, turn in enumerate(policy_turns):
-        current = sequences[-1] if sequences else None
-        if current is not None and turn.prompt_ids[: len(current)] == current.input_ids:
-            added = turn.prompt_ids[len(current) :]
-            current.input_ids.extend(added)
-            current.loss_mask.extend([0] * len(added))
-            current.old_logprobs.extend([0.0] * len(added))
-        else:
-            current = TokenSequence(
-                list(turn.prompt_ids), [0] * len(turn.prompt_ids), [0.0] * len(turn.prompt_ids), []
-            )
-            sequences.append(current)
-        start = len(current)
-        current.input_ids.extend(turn.response_ids)
-        current.loss_mask.extend([1] * len(turn.response_ids))
-        current.old_logprobs.extend(turn.logprobs)
-        current.turn_spans.append((index, start, len(current)))
-    return sequences
-
-
 def dialogue_seed(base_seed: int, profile_id: str, index: int) -> int:
     """A stable per-dialogue seed (Python's hash() is salted per process)."""
     digest = hashlib.sha256(f"{base_seed}:{profile_id}:{index}".encode()).digest()
@@ -210,12 +92,13 @@ def dialogue_seed(base_seed: int, profile_id: str, index: int) -> int:
 
 
 class _Dialogue:
-    """The mutable state of one running dialogue."""
+    """The mutable state of one running dialogue (`index`: its place in the call's order)."""
 
-    def __init__(self, trajectory: Trajectory, session: UserSession, messages: list[dict[str, str]]) -> None:
+    def __init__(self, index: int, trajectory: Trajectory, session: UserSession) -> None:
+        self.index = index
         self.trajectory = trajectory
         self.session = session
-        self.messages = messages  # the policy's view: system, user, assistant (visible) ...
+        self.messages: list[dict[str, str]] = []  # the policy's view: system, user, assistant ...
         self.prompt_ids: list[int] = []
         self.prompt_text = ""
 
@@ -302,59 +185,64 @@ class RolloutRunner:
             members = profiles[leader : leader + group_size]
             if any(member.id != members[0].id for member in members):
                 raise ValueError(f"group at {leader} mixes profiles {sorted({m.id for m in members})}")
-        sessions = [
-            self.simulator.open(profile, seed=seeds[index - index % group_size])
+        dialogues = [
+            self._new_dialogue(index, profile, seeds[index], seeds[index - index % group_size])
             for index, profile in enumerate(profiles)
         ]
+        if self.settings.schedule == "dialogue" and self.simulator.waits_on_io:
+            run_dialogue_level(
+                self, dialogues, group_openings(self, group_size, dialogues), on_turn, should_stop
+            )
+            return [d.trajectory for d in dialogues]
         started = time.perf_counter()
-        openings = self._openings(sessions, group_size)
+        openings = self.openings([d.session for d in dialogues], group_size)
         self.timings["simulator"] += time.perf_counter() - started
-        dialogues = [
-            self._open(session, seed, opening)
-            for session, seed, opening in zip(sessions, seeds, openings, strict=True)
-        ]
-        active = [d for d in dialogues if not d.trajectory.termination]
-        for turn in range(self.settings.max_turns):
-            if should_stop is not None and should_stop():
-                raise StopRequested(f"stopped before turn {turn}")
-            active = [d for d in active if self._fits_context(d)]
-            if not active:
-                break
-            sampling = SamplingSettings(
-                self.settings.max_new_tokens,
-                self.settings.temperature,
-                self.settings.top_p,
-                seed=base_seed + turn,
-            )
-            started = time.perf_counter()
-            generations = self.engine.generate([d.prompt_ids for d in active], sampling)
-            self.timings["generate"] += time.perf_counter() - started
-            policy_turns = []
-            for dialogue, generation in zip(active, generations, strict=True):
-                completion = self.policy.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
-                policy_turns.append(
-                    PolicyTurn(
-                        prompt_ids=list(dialogue.prompt_ids),
-                        response_ids=list(generation.token_ids),
-                        logprobs=list(generation.logprobs),
-                        finish_reason=generation.finish_reason,
-                        completion=completion,
-                        parsed=self.prompt_format.parse(completion),
-                    )
-                )
-            started = time.perf_counter()
-            user_turns = self.simulator.respond_batch(
-                [d.session for d in active], [t.parsed.visible for t in policy_turns]
-            )
-            self.timings["simulator"] += time.perf_counter() - started
-            for dialogue, policy_turn, user_turn in zip(active, policy_turns, user_turns, strict=True):
-                self._advance(dialogue, policy_turn, user_turn, last_turn=turn == self.settings.max_turns - 1)
-            active = [d for d in active if not d.trajectory.termination]
-            if on_turn is not None:
-                on_turn(turn + 1, len(active))
+        ready = self.start(dialogues, openings)
+        if self.settings.schedule == "dialogue":
+            run_dialogue_level(self, dialogues, lambda answers: ready, on_turn, should_stop)
+        else:
+            run_lockstep(self, dialogues, on_turn, should_stop)
         return [d.trajectory for d in dialogues]
 
-    def _openings(self, sessions: Sequence[UserSession], group_size: int) -> list[UserTurn]:
+    # ------------------------------------------------------------------ what the schedules call
+    def start(self, dialogues: Sequence[_Dialogue], openings: Sequence[UserTurn]) -> list[_Dialogue]:
+        """Begin `dialogues` with their users' opening lines; the ones still going."""
+        for dialogue, opening in zip(dialogues, openings, strict=True):
+            self._begin(dialogue, opening)
+        return [d for d in dialogues if not d.trajectory.termination]
+
+    def check_stop(self, should_stop: Callable[[], bool] | None, turn: int) -> None:
+        if should_stop is not None and should_stop():
+            raise StopRequested(f"stopped before turn {turn}")
+
+    def sample(self, batch: Sequence[_Dialogue]) -> list[PolicyTurn]:
+        """One engine call for `batch`: each reply drawn with its own dialogue's and turn's seed."""
+        sampling = SamplingSettings(
+            self.settings.max_new_tokens,
+            self.settings.temperature,
+            self.settings.top_p,
+            seed=self.settings.seed,
+            prompt_seeds=tuple(turn_seed(d.trajectory.seed, d.trajectory.num_turns) for d in batch),
+        )
+        started = time.perf_counter()
+        generations = self.engine.generate([d.prompt_ids for d in batch], sampling)
+        self.timings["generate"] += time.perf_counter() - started
+        policy_turns = []
+        for dialogue, generation in zip(batch, generations, strict=True):
+            completion = self.policy.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+            policy_turns.append(
+                PolicyTurn(
+                    prompt_ids=list(dialogue.prompt_ids),
+                    response_ids=list(generation.token_ids),
+                    logprobs=list(generation.logprobs),
+                    finish_reason=generation.finish_reason,
+                    completion=completion,
+                    parsed=self.prompt_format.parse(completion),
+                )
+            )
+        return policy_turns
+
+    def openings(self, sessions: Sequence[UserSession], group_size: int) -> list[UserTurn]:
         """Each group's first session writes the opening; the others adopt it."""
         if not sessions:
             return []
@@ -386,36 +274,40 @@ class RolloutRunner:
                 return fmt.adapt_system_prompt(protocol, profile)
         return fmt.system_prompt(profile)
 
-    def _open(self, session: UserSession, seed: int, opening: UserTurn) -> _Dialogue:
-        profile = session.profile
-        system_prompt = self.system_prompt(profile)
-        trajectory = Trajectory(profile, seed, system_prompt, components=self.components)
+    def _new_dialogue(self, index: int, profile: Profile, seed: int, user_seed: int) -> _Dialogue:
+        """A dialogue before its opening: the session (a group shares `user_seed`) and prompt."""
+        session = self.simulator.open(profile, seed=user_seed)
+        trajectory = Trajectory(profile, seed, self.system_prompt(profile), components=self.components)
         level = getattr(session, "difficulty", None)  # a Difficulty, a name, or absent
         trajectory.difficulty = getattr(level, "name", level)
+        return _Dialogue(index, trajectory, session)
+
+    def _begin(self, dialogue: _Dialogue, opening: UserTurn) -> None:
+        trajectory = dialogue.trajectory
         trajectory.user_turns.append(opening)
-        messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": opening.text}]
-        dialogue = _Dialogue(trajectory, session, messages)
+        dialogue.messages = [
+            {"role": "system", "content": trajectory.system_prompt},
+            {"role": "user", "content": opening.text},
+        ]
         if opening.done:
             trajectory.termination = opening.termination or "simulator_ended"
-        dialogue.prompt_text = self.context.render(messages)
+        dialogue.prompt_text = self.context.render(dialogue.messages)
         dialogue.prompt_ids = self.context.encode(dialogue.prompt_text)
-        return dialogue
 
-    def _fits_context(self, dialogue: _Dialogue) -> bool:
+    def fits_context(self, dialogue: _Dialogue) -> bool:
         if len(dialogue.prompt_ids) + self.settings.max_new_tokens <= self.settings.max_context_tokens:
             return True
         dialogue.trajectory.termination = "context_limit"
         return False
 
-    def _advance(
-        self, dialogue: _Dialogue, policy_turn: PolicyTurn, user_turn: UserTurn, *, last_turn: bool
-    ) -> None:
+    def advance(self, dialogue: _Dialogue, policy_turn: PolicyTurn, user_turn: UserTurn) -> None:
+        """Record a reply and the user's answer; end the dialogue or build its next prompt."""
         trajectory = dialogue.trajectory
         trajectory.policy_turns.append(policy_turn)
         trajectory.user_turns.append(user_turn)
         if user_turn.done:
             trajectory.termination = user_turn.termination or "simulator_ended"
-        elif last_turn:
+        elif trajectory.num_turns >= self.settings.max_turns:
             trajectory.termination = "max_turns"
         if trajectory.termination:
             return
@@ -433,19 +325,3 @@ class RolloutRunner:
             )
         dialogue.prompt_ids = extended if extended is not None else self.context.encode(next_text)
         dialogue.prompt_text = next_text
-
-
-def summarize(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Mean final emotion, success (>= 100) and failure (< 10) counts, mean turns."""
-    count = len(trajectories)
-    if count == 0:
-        return {"dialogues": 0}
-    finals = [t.final_emotion for t in trajectories]
-    return {
-        "dialogues": count,
-        "mean_final_emotion": sum(finals) / count,
-        "success": sum(t.termination == "success" for t in trajectories),
-        "failure": sum(t.termination == "failure" for t in trajectories),
-        "mean_turns": sum(t.num_turns for t in trajectories) / count,
-        "format_violations": sum(t.format_violations for t in trajectories),
-    }

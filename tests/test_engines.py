@@ -5,6 +5,7 @@ Exact sampled ids and log-probs, stop and per-turn limits, seeds, the rollout lo
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,36 @@ def test_hf_generate_uses_only_temperature_and_top_p(
     )
     assert used == [expected]
     assert model.generation_config.top_k == 1  # the model's own config is back in place
+
+
+def test_prompt_seeds_make_a_sample_independent_of_its_neighbours(engine, policy, prompts):
+    """The rollout's schedules batch dialogues differently; a reply must not change with that."""
+    settings = SamplingSettings(max_new_tokens=16, temperature=1.0, seed=5, prompt_seeds=(11, 22, 33))
+    prompts = prompts[:3]
+    together = engine.generate(prompts, settings)
+    apart = engine.generate([prompts[2], prompts[0]], replace(settings, prompt_seeds=(33, 11)))
+    assert [apart[1].token_ids, apart[0].token_ids] == [together[0].token_ids, together[2].token_ids]
+    for mine, theirs in ((apart[1], together[0]), (apart[0], together[2])):
+        gap = (torch.tensor(mine.logprobs) - torch.tensor(theirs.logprobs)).abs().max().item()
+        assert gap < TOLERANCE[engine_name(engine)], gap
+    other = engine.generate(prompts, replace(settings, prompt_seeds=(12, 22, 34)))
+    assert other[1] == together[1] and other[0] != together[0]  # each prompt follows its own seed
+    with pytest.raises(ValueError, match="2 prompt seeds for 3 prompts"):
+        engine.generate(prompts, replace(settings, prompt_seeds=(1, 2)))
+
+
+def test_prompt_seeded_sampling_keeps_to_the_nucleus_and_records_its_logprobs(engine, policy, prompts):
+    settings = SamplingSettings(max_new_tokens=20, temperature=0.7, top_p=0.8, prompt_seeds=(1, 2, 3, 4))
+    for prompt, generation in zip(prompts, engine.generate(prompts, settings)):
+        ids = torch.tensor([list(prompt) + list(generation.token_ids)])
+        with torch.no_grad():
+            logits = policy.model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.7
+        probs = torch.softmax(logits, -1)
+        chosen = torch.tensor(generation.token_ids)
+        mass_before = (probs * (probs > probs.gather(1, chosen[:, None]))).sum(-1)
+        assert (mass_before < 0.8 + 1e-4).all(), mass_before  # inside the top-p set
+        if engine_name(engine) == "vllm":
+            continue  # with top_p < 1 vLLM renormalises over the nucleus (its module docstring)
+        expected = torch.log_softmax(logits, -1).gather(1, chosen[:, None]).squeeze(1)
+        gap = (torch.tensor(generation.logprobs) - expected).abs().max().item()
+        assert gap < TOLERANCE[engine_name(engine)], gap

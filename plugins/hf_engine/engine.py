@@ -43,6 +43,29 @@ class _SampledLogprobRecorder(LogitsProcessor):
         return torch.stack(self.steps, dim=1)
 
 
+class _SeededRowSampler(LogitsProcessor):
+    """Samples each row with a generator of its own (softmax(logits / T), top-p), so a prompt's
+    sample does not depend on the other prompts of the call; generate() then decodes greedily,
+    and the only finite score left in a row is the token sampled here."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float, device: torch.device) -> None:
+        self.temperature, self.top_p = temperature, top_p
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            # nucleus: the most likely tokens whose mass before them is below top_p (at least one)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(mass_before >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        chosen = torch.stack(
+            [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, self.generators, strict=True)]
+        )
+        return torch.full_like(scores, float("-inf")).scatter(-1, chosen, 0.0)
+
+
 class HFEngine(RolloutEngine):
     """Rollouts with transformers `generate` on the policy module itself.
 
@@ -68,19 +91,23 @@ class HFEngine(RolloutEngine):
         if self.sort_by_length:
             order.sort(key=lambda i: len(prompts[i]))
         results: list[Generation | None] = [None] * len(prompts)
+        seeds = sampling.prompt_seeds
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} prompt seeds for {len(prompts)} prompts")
         for chunk_index, start in enumerate(range(0, len(order), self.batch_size)):
             chunk = order[start : start + self.batch_size]
             # Each chunk gets its own seed so results do not depend on how many chunks ran before.
             chunk_seed = sampling.seed * 1_000_003 + chunk_index
-            for index, generation in zip(
-                chunk, self._generate_chunk([prompts[i] for i in chunk], sampling, chunk_seed), strict=True
-            ):
+            row_seeds = None if seeds is None else [seeds[i] for i in chunk]
+            chunk_prompts = [prompts[i] for i in chunk]
+            generations = self._generate_chunk(chunk_prompts, sampling, chunk_seed, row_seeds)
+            for index, generation in zip(chunk, generations, strict=True):
                 results[index] = generation
         return [r for r in results if r is not None]
 
     @torch.no_grad()
     def _generate_chunk(
-        self, prompts: list[Sequence[int]], sampling: SamplingSettings, seed: int
+        self, prompts: list[Sequence[int]], sampling: SamplingSettings, seed: int, row_seeds: list[int] | None
     ) -> list[Generation]:
         # Under FSDP1 the policy is a wrapper around the HF model: generate on the model itself,
         # so its generation_config is the one swapped below (the trainer has gathered the weights).
@@ -93,6 +120,10 @@ class HFEngine(RolloutEngine):
             input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
             attention_mask[row, width - len(prompt) :] = 1
         greedy = sampling.temperature == 0
+        processors: list[LogitsProcessor] = [_SampledLogprobRecorder(sampling.temperature)]
+        if not greedy and row_seeds is not None:
+            processors.append(_SeededRowSampler(row_seeds, sampling.temperature, sampling.top_p, device))
+            greedy = True  # generate() takes the row sampler's choice
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             do_sample=not greedy,
@@ -103,7 +134,7 @@ class HFEngine(RolloutEngine):
             pad_token_id=self.pad_id,
             use_cache=True,
         )
-        recorder = _SampledLogprobRecorder(sampling.temperature)
+        recorder = processors[0]
         was_training = model.training
         model_config = model.generation_config
         # generate() fills every unset field of `config` from model.generation_config (a
@@ -120,7 +151,7 @@ class HFEngine(RolloutEngine):
                     input_ids=input_ids.to(device),
                     attention_mask=attention_mask.to(device),
                     generation_config=config,
-                    logits_processor=LogitsProcessorList([recorder]),
+                    logits_processor=LogitsProcessorList(processors),
                     # Under FSDP generate() would sync ranks every token; the trainer gathers the
                     # weights for the rollout instead, so ranks generate independently.
                     synced_gpus=False,

@@ -396,6 +396,7 @@ _SEED_OFFSETS = {None: 0, "sage_planning": 1, "reference_planning": 1, "reply": 
 
 class _CodeDrivenSimulator(UserSimulator):
     protocol_class: type[_Protocol]
+    waits_on_io = True  # their code calls the endpoint; sessions run in threads of their own
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ the `sage` prompts ask, with deterministic content: the planning answer's
 change grows with the empathy cues in the partner's reply, and the reply
 answer is a short line in the format. It can also inject faults on a
 schedule (HTTP 429 / 500, delays past the client's timeout, malformed
-answers) and add a fixed latency to every answer.
+answers) and add a latency to every answer (fixed, or drawn per request).
 
     python -m rlver_plugins.sage_user.scripted_server --port 8011 --latency 0.2
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import threading
@@ -111,6 +112,11 @@ class Script:
     # None from it means "no answer for this request": HTTP 400, and the client gives up.
     responder: Callable[[dict[str, Any]], str | None] | None = None
     latency: float = 0.0
+    # A latency drawn per request instead: "fixed:S", "uniform:LO:HI" or "lognormal:MEDIAN:SIGMA"
+    # (seconds), from the request's content and how often it was sent, as `fault_rate` draws.
+    latency_spec: str | None = None
+    # What `fault_rate` draws from (e.g. ("500",): a failed request the client retries).
+    fault_kinds: tuple[str, ...] = RANDOM_FAULTS
     timeout_delay: float = 3.0
     fault_rate: float = 0.0
     fault_seed: int = 0
@@ -124,6 +130,7 @@ class Script:
     max_in_flight: int = 0  # the most requests the server was handling at once
     lock: threading.Lock = field(default_factory=threading.Lock)
     sent: Counter[str] = field(default_factory=Counter)  # how often each request body arrived
+    sent_for_latency: Counter[str] = field(default_factory=Counter)
 
     def enter(self, headers: dict[str, str]) -> None:
         with self.lock:
@@ -134,6 +141,22 @@ class Script:
     def leave(self) -> None:
         with self.lock:
             self.in_flight -= 1
+
+    def __post_init__(self) -> None:
+        if self.latency_spec is not None:
+            draw_latency(self.latency_spec, random.Random(0))  # a bad spec fails here, not per request
+        unknown = set(self.fault_kinds) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"fault_kinds: unknown {sorted(unknown)}; known: {', '.join(FAULTS)}")
+
+    def latency_for(self, payload: dict[str, Any]) -> float:
+        if self.latency_spec is None:
+            return self.latency
+        body = json.dumps(payload, sort_keys=True)
+        with self.lock:
+            self.sent_for_latency[body] += 1
+            count = self.sent_for_latency[body]
+        return draw_latency(self.latency_spec, random.Random(f"latency:{self.fault_seed}:{count}:{body}"))
 
     def decide(self, payload: dict[str, Any]) -> tuple[str, str | None]:
         messages = payload.get("messages") or []
@@ -151,9 +174,28 @@ class Script:
                 self.sent[body] += 1
                 draw = random.Random(f"{self.fault_seed}:{self.sent[body]}:{body}")
                 if draw.random() < self.fault_rate:
-                    fault = draw.choice(RANDOM_FAULTS)
+                    fault = draw.choice(self.fault_kinds)
             self.served[fault or "ok"] += 1
         return kind, fault
+
+
+def draw_latency(spec: str, draw: random.Random) -> float:
+    """Seconds for one answer from a "fixed:S", "uniform:LO:HI" or "lognormal:MEDIAN:SIGMA" spec."""
+    name, _, numbers = spec.partition(":")
+    try:
+        values = [float(v) for v in numbers.split(":")] if numbers else []
+    except ValueError:
+        values = []
+    shapes = {"fixed": 1, "uniform": 2, "lognormal": 2}
+    if shapes.get(name) != len(values) or any(v < 0 for v in values):
+        raise ValueError(
+            f"latency {spec!r}: expected fixed:S, uniform:LO:HI or lognormal:MEDIAN:SIGMA (seconds >= 0)"
+        )
+    if name == "fixed":
+        return values[0]
+    if name == "uniform":
+        return draw.uniform(values[0], values[1])
+    return values[0] * math.exp(values[1] * draw.gauss(0.0, 1.0))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -199,8 +241,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(401, {"error": {"message": f"invalid API key: {provided}"}})
             return
         kind, fault = script.decide(payload)
-        if script.latency:
-            time.sleep(script.latency)
+        latency = script.latency_for(payload)
+        if latency:
+            time.sleep(latency)
         if fault in ("429", "500", "503"):
             self._send(int(fault), {"error": {"message": f"injected {fault}"}})
             return
@@ -286,9 +329,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument("--latency", type=float, default=0.0, help="seconds added to every answer")
+    parser.add_argument(
+        "--latency",
+        default="0",
+        help="seconds added to every answer, or per request: fixed:S, uniform:LO:HI, lognormal:MEDIAN:SIGMA",
+    )
     args = parser.parse_args()
-    server = ScriptedServer(Script(latency=args.latency), args.host, args.port)
+    spec = args.latency if ":" in args.latency else None
+    script = Script(latency=0.0 if spec else float(args.latency), latency_spec=spec)
+    server = ScriptedServer(script, args.host, args.port)
     print(f"scripted user endpoint at {server.url}", flush=True)
     server._server.serve_forever()
 

@@ -63,6 +63,8 @@ class _TurnFailed(Exception):
 class SageUserSimulator(UserSimulator):
     """SAGE's LLM-played user over any OpenAI-compatible chat endpoint."""
 
+    waits_on_io = True  # each answer is an HTTP call; dialogues go on as their users answer
+
     def __init__(
         self,
         base_url: str,

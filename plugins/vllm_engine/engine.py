@@ -114,17 +114,20 @@ class VLLMEngine(RolloutEngine):
         self._wake(None)
         greedy = sampling.temperature == 0
         # One seed per prompt, so a prompt's sample does not depend on its neighbours in the batch.
+        seeds = sampling.prompt_seeds or [sampling.seed * 1_000_003 + i for i in range(len(prompts))]
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} prompt seeds for {len(prompts)} prompts")
         params = [
             SamplingParams(
                 temperature=sampling.temperature,
                 top_p=1.0 if greedy else sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
-                seed=sampling.seed * 1_000_003 + index,
+                seed=seed,
                 logprobs=0,
                 stop_token_ids=self.stop_ids,
                 detokenize=False,
             )
-            for index in range(len(prompts))
+            for seed in seeds
         ]
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False

@@ -1,0 +1,176 @@
+"""When each dialogue's next reply is sampled: in lockstep, or as soon as its user has answered.
+
+`lockstep`: every turn, all active dialogues are sampled in one engine call, then all their
+users answer in one simulator call; the turn waits for the slowest generation and the slowest
+answer before any dialogue goes on.
+
+`dialogue` (the default): a dialogue goes on as soon as its own user has answered. Users that
+wait on an endpoint (`UserSimulator.waits_on_io`) are asked one dialogue at a time from a thread
+pool; the engine samples, in one call, every dialogue whose answer is in. In-process users
+answer a whole call's replies at once, so for them the two schedules make the same calls.
+
+Neither schedule changes what a dialogue samples: each reply is drawn with a seed of its own
+(`turn_seed` of the dialogue's seed and the turn), whatever else shares its engine call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+from rlver.types import UserTurn
+
+if TYPE_CHECKING:
+    from rlver.rollout import PolicyTurn, RolloutRunner, _Dialogue
+
+SCHEDULES = ("dialogue", "lockstep")
+# Answers that arrive within this long of the first one join the same engine call: a little
+# waiting for fuller calls (the engine's cost grows slowly with the batch), never a barrier.
+GATHER_SECONDS = 0.05
+
+
+def turn_seed(dialogue_seed: int, turn: int) -> int:
+    """The sampling seed of one reply: 31 bits, so that any engine or server takes it."""
+    digest = hashlib.sha256(f"{dialogue_seed}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
+OnTurn = Callable[[int, int], None] | None
+ShouldStop = Callable[[], bool] | None
+
+
+def run_lockstep(
+    runner: RolloutRunner, dialogues: list[_Dialogue], on_turn: OnTurn, should_stop: ShouldStop
+) -> None:
+    active = [d for d in dialogues if not d.trajectory.termination]
+    for turn in range(runner.settings.max_turns):
+        runner.check_stop(should_stop, turn)
+        active = [d for d in active if runner.fits_context(d)]
+        if not active:
+            break
+        policy_turns = runner.sample(active)
+        started = time.perf_counter()
+        user_turns = runner.simulator.respond_batch(
+            [d.session for d in active], [t.parsed.visible for t in policy_turns]
+        )
+        runner.timings["simulator"] += time.perf_counter() - started
+        for dialogue, policy_turn, user_turn in zip(active, policy_turns, user_turns, strict=True):
+            runner.advance(dialogue, policy_turn, user_turn)
+        active = [d for d in active if not d.trajectory.termination]
+        if on_turn is not None:
+            on_turn(turn + 1, len(active))
+
+
+class _Answers:
+    """The users' answers in flight: one future per dialogue (or per group, for openings)."""
+
+    def __init__(self, runner: RolloutRunner, size: int) -> None:
+        self.runner = runner
+        self.pool = ThreadPoolExecutor(max_workers=max(size, 1), thread_name_prefix="rlver-user")
+        self.in_flight: dict[Future, Callable[[list[UserTurn]], list[_Dialogue]]] = {}
+
+    def ask(
+        self, call: Callable[[], list[UserTurn]], then: Callable[[list[UserTurn]], list[_Dialogue]]
+    ) -> None:
+        self.in_flight[self.pool.submit(call)] = then
+
+    def collect(self, block: bool) -> list[_Dialogue]:
+        """The dialogues whose users have answered (waiting for the first when `block`)."""
+        if not self.in_flight:
+            return []
+        started = time.perf_counter()
+        if block:
+            done, _ = wait(self.in_flight, return_when=FIRST_COMPLETED)
+            wait(self.in_flight, timeout=GATHER_SECONDS)  # answers arriving right after: same call
+        done = [future for future in self.in_flight if future.done()]
+        self.runner.timings["simulator"] += time.perf_counter() - started
+        ready = []
+        for future in done:
+            then = self.in_flight.pop(future)
+            ready.extend(then(future.result()))  # a simulator's exception ends the rollout here
+        return ready
+
+    def close(self) -> None:
+        for future in self.in_flight:
+            future.cancel()
+        # Calls already running finish on their own (bounded by the client's timeout); nothing
+        # waits for them, and their sessions are dropped with the rollout.
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_dialogue_level(
+    runner: RolloutRunner,
+    dialogues: list[_Dialogue],
+    openings: Callable[[_Answers], list[_Dialogue]],
+    on_turn: OnTurn,
+    should_stop: ShouldStop,
+) -> None:
+    """`openings(answers)`: the dialogues ready now; it may ask for the rest through `answers`."""
+    answers = _Answers(runner, len(dialogues))
+    in_process = not runner.simulator.waits_on_io
+    try:
+        ready = openings(answers)
+        furthest = 0
+        while ready or answers.in_flight:
+            ready += answers.collect(block=not ready)
+            ready = sorted((d for d in ready if runner.fits_context(d)), key=lambda d: d.index)
+            if not ready:
+                continue
+            runner.check_stop(should_stop, furthest)
+            batch, ready = ready, []
+            policy_turns = runner.sample(batch)
+            furthest = max(furthest, *(d.trajectory.num_turns + 1 for d in batch))
+            if in_process:
+                started = time.perf_counter()
+                user_turns = runner.simulator.respond_batch(
+                    [d.session for d in batch], [t.parsed.visible for t in policy_turns]
+                )
+                runner.timings["simulator"] += time.perf_counter() - started
+                for dialogue, policy_turn, user_turn in zip(batch, policy_turns, user_turns, strict=True):
+                    runner.advance(dialogue, policy_turn, user_turn)
+                ready = [d for d in batch if not d.trajectory.termination]
+            else:
+                for dialogue, policy_turn in zip(batch, policy_turns, strict=True):
+                    answers.ask(
+                        _respond_call(runner, dialogue, policy_turn),
+                        _then_advance(runner, dialogue, policy_turn),
+                    )
+            if on_turn is not None:
+                on_turn(furthest, sum(not d.trajectory.termination for d in dialogues))
+    finally:
+        answers.close()
+
+
+def _respond_call(
+    runner: RolloutRunner, dialogue: _Dialogue, policy_turn: PolicyTurn
+) -> Callable[[], list[UserTurn]]:
+    return lambda: runner.simulator.respond_batch([dialogue.session], [policy_turn.parsed.visible])
+
+
+def _then_advance(
+    runner: RolloutRunner, dialogue: _Dialogue, policy_turn: PolicyTurn
+) -> Callable[[list[UserTurn]], list[_Dialogue]]:
+    def then(user_turns: list[UserTurn]) -> list[_Dialogue]:
+        runner.advance(dialogue, policy_turn, user_turns[0])
+        return [] if dialogue.trajectory.termination else [dialogue]
+
+    return then
+
+
+def group_openings(runner: RolloutRunner, group_size: int, dialogues: Sequence[_Dialogue]):
+    """Openings for `run_dialogue_level`: each group's opening is asked for on its own; the
+    group's members (who adopt it) start together as soon as it has arrived."""
+
+    def openings(answers: _Answers) -> list[_Dialogue]:
+        for leader in range(0, len(dialogues), group_size):
+            group = list(dialogues[leader : leader + group_size])
+            answers.ask(
+                lambda group=group: runner.openings([d.session for d in group], group_size),
+                lambda written, group=group: runner.start(group, written),
+            )
+        return []
+
+    return openings
