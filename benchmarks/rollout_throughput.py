@@ -57,9 +57,10 @@ def raw_ceiling(engine: VLLMEngine, trajectories: list[Trajectory]) -> tuple[int
                     detokenize=False,
                 )
             )
-    engine.llm.reset_prefix_cache()  # the loop's prompts are cached; the ceiling must not start warm
+    # the loop's prompts are cached; the ceiling must not start warm (on the engine's thread)
+    engine.on_engine_thread(engine.llm.reset_prefix_cache)
     started = time.perf_counter()
-    outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+    outputs = engine.on_engine_thread(engine.llm.generate, prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     return sum(len(o.outputs[0].token_ids) for o in outputs), seconds
 

@@ -72,6 +72,7 @@ class CheckpointHooks:
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()
+        self.save_pending_rollout(checkpoint)  # the overlapped mode's next-step dialogues
         if self.lora is None:
             return
         add_lora_settings(checkpoint, self.lora)
@@ -84,3 +85,4 @@ class CheckpointHooks:
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.configure_model()  # weights are loaded into the networks right after this hook
         restore_rng_state(checkpoint.get(RNG_KEY))
+        self.load_pending_rollout(checkpoint)

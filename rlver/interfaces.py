@@ -194,7 +194,13 @@ class Generation:
 
 
 class RolloutEngine(ABC):
-    """Generates completions for a batch of token-id prompts."""
+    """Generates completions for a batch of token-id prompts.
+
+    `samples_from_training_module`: True when the engine generates with the very module being
+    trained (no copy of its own): the overlapped mode then gives it a snapshot to sample from.
+    """
+
+    samples_from_training_module: bool = False
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:

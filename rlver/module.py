@@ -16,7 +16,6 @@ never computes a loss, a reward or a metric itself.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,8 +40,8 @@ from rlver.networks import (
     check_training_precision,
     load_networks,
     optimizers_and_schedulers,
-    weights_for_generation,
 )
+from rlver.overlap import OverlapSettings, RolloutPipeline
 from rlver.plugins import get_registry
 from rlver.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory
@@ -55,13 +54,13 @@ from rlver.scoring import (
     token_advantages,
     training_batch,
 )
-from rlver.stopping import run_unless_stopped
+from rlver.step_rollouts import StepRollouts
 from rlver.types import Profile
 
 __all__ = ["PPOSettings", "RLVERModule", "actor_loss", "merge_rank_metrics"]  # the last three: re-exported
 
 
-class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModule):
+class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L.LightningModule):
     """Trains a chat policy against simulated users with PPO (critic + GAE) or GRPO.
 
     Args:
@@ -94,6 +93,9 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         low_precision_weights: Allow training full weights held in bfloat16/float16 (`dtype`, or
             `--trainer.precision bf16-true/16-true`). Off: refused, since updates at RL learning
             rates round away; float32 weights with bf16-mixed compute are the default way.
+        overlap: Roll out the next step's dialogues while this step's update runs, and train on
+            them one step later with decoupled PPO's correction ({max_importance_weight}); for
+            users with real latency (rlver.overlap). None: every step trains on its own rollout.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         curriculum: str | list[dict[str, Any]] | None = None,
         lora: LoraSettings | None = None,
         low_precision_weights: bool = False,
+        overlap: OverlapSettings | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -128,6 +131,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
             dtype, group_size, actor_warmup_ratio, critic_warmup_ratio, rollout, ppo, lora, eval_temperature,
             curriculum,
         )  # fmt: skip
+        self.overlap = OverlapSettings(**overlap) if isinstance(overlap, dict) else overlap
+        self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's next step
         self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
         self.strict_loading = self.lora is None
@@ -213,6 +218,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
                 name=str(self.hparams.policy),
             )
             self.runner = self.rollout_runner(policy)
+            if self.overlap is not None:
+                self._build_background_runner(policy)
 
     def collective_timeout_seconds(self) -> float | None:
         """How long one rank may be kept by a dead simulator endpoint, plus 10 min (None: no bound).
@@ -235,10 +242,15 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         self.runner.engine.sync_weights()
 
     def on_validation_start(self) -> None:
+        self.pipeline.wait()  # the next step's rollout, if one runs, has the engine until it ends
         self.runner.engine.sync_weights()
 
     def on_test_start(self) -> None:
+        self.pipeline.wait()
         self.runner.engine.sync_weights()
+
+    def on_train_end(self) -> None:
+        self.pipeline.drop()
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -254,18 +266,16 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
 
         # 1. a batch of profiles, each at its curriculum level; each repeated group_size times
         #    as a group sharing persona, opening and level
-        batch = list(batch)
-        if self.curriculum is not None:
-            offset = self.global_rank * len(batch)
-            batch = self.curriculum.assign(batch, step, self.rollout_settings.seed, offset=offset)
-        dialogues = [profile for profile in batch for _ in range(self.hparams.group_size)]
+        dialogues = self._step_dialogues(batch, step)
         group_ids = torch.tensor([i // self.hparams.group_size for i in range(len(dialogues))])
 
         # 2. roll out the dialogues with the engine plugin; a stop asked for now (SIGTERM,
         #    Ctrl-C) drops the step, which has changed nothing yet, on every rank together
-        trajectories = self._roll_out(dialogues, step, seconds)
-        if trajectories is None:
+        #    (overlapped: the ones rolled out during the last update; the next step's start)
+        rolled_out = self._roll_out(dialogues, step, seconds)
+        if rolled_out is None:
             return  # GracefulStop checkpoints the state as of the last finished step, and stops
+        trajectories, sampled_by = rolled_out
         metrics = rollout_metrics(trajectories, prefix="rollout")
         if self.curriculum is not None:
             metrics.update(self._difficulty_metrics(trajectories))
@@ -281,7 +291,9 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
 
         # 4. old log-probs from the sampled ids (left to the update when it is one step from
         #    the sampling policy: its own pass gives them), reference log-probs and values
-        on_policy = on_policy_update(self.ppo, data.batch.num_sequences, self.policy_model, self._reduce_max)
+        on_policy = self.overlap is None and on_policy_update(
+            self.ppo, data.batch.num_sequences, self.policy_model, self._reduce_max
+        )
         old_logprobs, ref_logprobs, old_values = self._score_tokens(data.batch, with_policy=not on_policy)
 
         # 5. advantages on per-dialogue timelines, statistics over every rank's dialogues
@@ -289,6 +301,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
             self.advantage_estimator, data, old_logprobs, ref_logprobs, old_values, self.ppo,
             self._reduce_sum, metrics, self.rollout_settings.max_turns,
         )  # fmt: skip
+        if self.overlap is not None:  # sampled by older weights: decoupled PPO's correction
+            advantages = self._corrected_advantages(advantages, old_logprobs, data.batch, sampled_by, metrics)
 
         # 6. PPO epochs over minibatches (in one process, a stop before the first optimizer
         #    step still drops the step); then the engine samples from the updated policy
@@ -308,7 +322,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
             policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics
         )
         sync_started = time.perf_counter()
-        self.runner.engine.sync_weights()
+        if self.overlap is None:  # overlapped: synced before the next rollout starts
+            self.runner.engine.sync_weights()
         seconds["weight_sync"] = time.perf_counter() - sync_started
         seconds["update"] = sync_started - update_started
 
@@ -319,29 +334,6 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
         self._log_metrics(metrics, step=step)
         get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
         self._log_samples(trajectories, step)
-
-    def _roll_out(self, dialogues: list[Profile], step: int, seconds: dict) -> list[Trajectory] | None:
-        """The step's dialogues; None when a stop (a signal, a simulator gone) drops the step."""
-        started = time.perf_counter()
-        seed = self.rollout_settings.seed + 1_000_003 * step + 7919 * self.global_rank
-
-        def run(should_stop: Any) -> list[Trajectory]:
-            with self._generation_weights():
-                return self.runner.run(
-                    dialogues, seed=seed, group_size=self.hparams.group_size, should_stop=should_stop
-                )
-
-        trajectories, fatal = run_unless_stopped(run, self._trainer, self._gather_objects)
-        self.fatal_error = fatal or self.fatal_error
-        if trajectories is None:
-            return None
-        seconds["rollout"] = time.perf_counter() - started
-        seconds.update(generate=self.runner.timings["generate"], simulator=self.runner.timings["simulator"])
-        release_memory = getattr(self.runner.engine, "release_memory", None)
-        if release_memory is not None:
-            release_memory()  # e.g. vLLM sleeps on GPUs so the update gets the memory
-        get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
-        return trajectories
 
     def _score(self, trajectories: Sequence[Trajectory], metrics: dict[str, float]) -> torch.Tensor:
         return score_dialogues(self.reward_functions, trajectories, metrics)
@@ -397,6 +389,3 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, L.LightningModu
 
     def _gather_objects(self, value: Any) -> list[Any]:
         return ranks.gather_objects(self._trainer, value)
-
-    def _generation_weights(self) -> contextlib.AbstractContextManager:
-        return weights_for_generation(getattr(self.runner, "engine", None), self.policy_model)

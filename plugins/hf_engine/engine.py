@@ -74,6 +74,8 @@ class HFEngine(RolloutEngine):
         sort_by_length: Group prompts of similar length into the same call to save padding.
     """
 
+    samples_from_training_module = True
+
     def __init__(self, policy: Policy, batch_size: int = 16, sort_by_length: bool = True) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size ({batch_size}) must be >= 1")

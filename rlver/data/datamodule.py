@@ -158,18 +158,26 @@ class ProfileDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader[Profile]:
         trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         dataset = ProfileDataset(self.profiles("train"))
         batch_size = self.batch_size
-        sampler = StepIndexedSampler(
-            dataset,
-            rank=rank,
-            world_size=world,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            start=lambda: (trainer.global_step if trainer is not None else 0) * batch_size,
-        )
+        sampler = self._train_sampler(dataset, lambda: trainer.global_step if trainer is not None else 0)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=_as_list)
+
+    def train_batch_at(self, step: int) -> list[Profile]:
+        """This rank's training profiles for `step`: what the loader yields at that step (the
+        overlapped rollout starts the next step's dialogues before the loader gets there)."""
+        dataset = ProfileDataset(self.profiles("train"))
+        indices = iter(self._train_sampler(dataset, lambda: step))
+        return [dataset[i] for _, i in zip(range(self.batch_size), indices, strict=False)]
+
+    def _train_sampler(self, dataset: Dataset[Profile], step: Callable[[], int]) -> StepIndexedSampler:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        batch_size = self.batch_size
+        return StepIndexedSampler(
+            dataset, rank=rank, world_size=world, shuffle=self.shuffle, seed=self.seed,
+            start=lambda: step() * batch_size,
+        )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader[Profile]:
         return self._loader("val", False)

@@ -1,0 +1,75 @@
+"""The overlapped mode's parts: the behaviour correction, the pending rollout, its checkpoint copy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlver.interfaces import ParsedReply
+from rlver.overlap import (
+    OverlapSettings,
+    RolloutPipeline,
+    behaviour_correction,
+    trajectories_from_json,
+    trajectories_to_json,
+)
+from rlver.trajectory import PolicyTurn, Trajectory
+from rlver.types import UserTurn
+from tests.test_rollout import make_profile
+
+
+def test_the_correction_weights_each_token_by_its_truncated_behaviour_ratio():
+    advantages = torch.tensor([[1.0, -2.0, 3.0, 5.0]])
+    proximal = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    behaviour = torch.tensor([[-1.0, -1.5, -0.5, -9.0]])  # ratios 1, e^0.5, e^-0.5, e^8 (truncated)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last position is no policy token
+    metrics = {}
+    corrected = behaviour_correction(advantages, proximal, behaviour, mask, 1, 1.5, metrics)
+    expected = [1.0, -2.0 * 1.5, 3.0 * math.exp(-0.5), 5.0]  # e^0.5 = 1.65 > 1.5: truncated
+    assert corrected[0].tolist() == pytest.approx(expected)
+    assert metrics["offpolicy/importance_weight_mean"] == pytest.approx(
+        (1 + math.exp(0.5) + math.exp(-0.5)) / 3
+    )
+    assert metrics["offpolicy/importance_weight_max"] == pytest.approx(math.exp(0.5))
+    assert metrics["offpolicy/truncated_fraction"] == pytest.approx(1 / 3)
+    assert metrics["offpolicy/staleness"] == 1.0
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="max_importance_weight .0.5. must be >= 1"):
+        OverlapSettings(max_importance_weight=0.5)
+
+
+def trajectory(name):
+    profile = make_profile(name, note="kept")
+    turns = [PolicyTurn([1, 2], [3, 4], [-0.1234567890123, -2.5e-9], "stop", "hi", ParsedReply("hi"))]
+    return Trajectory(
+        profile, 7, "sys", [UserTurn("open", 40.0), UserTurn("ok", 45.0, 5.0, {"why": ["x"]})], turns,
+        termination="max_turns", components={"engine": "hf"}, difficulty="hard",
+    )  # fmt: skip
+
+
+def test_the_checkpoint_copy_of_pending_dialogues_is_exact():
+    trajectories = [trajectory("a"), trajectory("b")]
+    again = trajectories_from_json(trajectories_to_json(trajectories))
+    assert again == trajectories
+    assert again[0].profile.extra == {"note": "kept"} and again[0].policy_turns[0].logprobs[1] == -2.5e-9
+    assert [t.sequences[0].input_ids for t in again] == [[1, 2, 3, 4]] * 2
+
+
+def test_a_pending_rollout_is_used_only_for_its_own_step_and_profiles():
+    pipeline = RolloutPipeline()
+    profiles = [make_profile("a"), make_profile("b")]
+    pipeline.start(3, profiles, weights_step=2, run=lambda: [trajectory("a"), trajectory("b")])
+    assert pipeline.matching(4, profiles) is None
+    assert pipeline.matching(3, profiles[:1]) is None
+    pending = pipeline.matching(3, profiles)
+    assert pending.weights_step == 2 and [t.profile.id for t in pending.result()] == ["a", "b"]
+    assert pipeline.pending is pending  # kept until the step goes on: a stop checkpoints it
+    pipeline.start(4, profiles, weights_step=3, run=lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        pipeline.matching(4, profiles)  # the background rollout's error surfaces in the step
+    pipeline.drop()
+    assert pipeline.pending is None
