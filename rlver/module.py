@@ -322,9 +322,9 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics
         )
         sync_started = time.perf_counter()
-        if self.overlap is None:  # overlapped: synced before the next rollout starts
+        if self.overlap is None:  # overlapped: synced before the next rollout starts (timed there)
             self.runner.engine.sync_weights()
-        seconds["weight_sync"] = time.perf_counter() - sync_started
+            seconds["weight_sync"] = time.perf_counter() - sync_started
         seconds["update"] = sync_started - update_started
 
         # 7. log; written once the step is done: a step dropped by a stop leaves no transcript

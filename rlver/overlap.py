@@ -194,7 +194,9 @@ class OverlapHooks:
                 sampled_by.append(pending.weights_step)
                 seconds.update(generate=pending.timings["generate"], simulator=pending.timings["simulator"])
                 return pending.result()
+            sync_started = time.perf_counter()
             self._sync_engine_for_rollout()
+            seconds["weight_sync"] = time.perf_counter() - sync_started
             sampled_by.append(step)
             with self._generation_weights():
                 trajectories = self.runner.run(
@@ -213,7 +215,9 @@ class OverlapHooks:
         pipeline.pending = None
         seconds["rollout"] = time.perf_counter() - started  # the trainer's wait, not the rollout's length
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
+        sync_started = time.perf_counter()
         self._start_next_rollout(step + 1)
+        seconds["weight_sync"] = seconds.get("weight_sync", 0.0) + time.perf_counter() - sync_started
         return trajectories, sampled_by[0]
 
     def _start_next_rollout(self, step: int) -> None:

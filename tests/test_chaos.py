@@ -270,7 +270,7 @@ def test_a_kill_while_writing_a_sharded_checkpoint_keeps_the_previous_one(tmp_pa
 
 
 def test_overlapped_rollouts_killed_anywhere_resume_to_the_uninterrupted_run(tmp_path, tiny_model_dir):
-    """`--model.overlap`: the next step's dialogues are in flight at every kill; the checkpoint
+    """`--model.overlap`: the next step's dialogues are in flight at each kill; the checkpoint
     holds them finished (their weights are gone after the update), so the resumed run trains on
     what the uninterrupted one did: same weights, transcripts and staleness."""
     from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
@@ -294,7 +294,7 @@ def test_overlapped_rollouts_killed_anywhere_resume_to_the_uninterrupted_run(tmp
         process = launch(straight, straight / config.name, fresh=True)
         output, _ = process.communicate(timeout=1800)
         assert process.returncode == 0, output[-3000:]
-        for index, kill in enumerate(["update:1", "checkpoint:3", "transcripts:3"]):
+        for index, kill in enumerate(["update:1", "checkpoint:3"]):  # torn lines: the test above
             resume = ("--ckpt_path", "last") if index else ()
             process = launch(chaos, chaos / config.name, *resume, chaos=kill)
             output, _ = process.communicate(timeout=1800)

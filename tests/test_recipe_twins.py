@@ -95,6 +95,27 @@ def test_quickstart_twin_with_a_vllm_engine_per_rank(tmp_path, tiny_model_dir):
     assert all(seconds > 0 for seconds in scalars["perf/weight_sync_seconds"])
 
 
+def test_overlapped_quickstart_twin_on_two_ranks_with_a_vllm_engine_each(tmp_path, tiny_model_dir):
+    """`--model.overlap` on two ranks: each rank's next-step rollout runs on its own engine
+    during the update, both ranks train alike, and the first step, sampled by the very weights
+    it trains (float32 on both sides), has importance weights of exactly 1."""
+    config = twin_config("quickstart", tmp_path, tiny_model_dir, "", steps=3, vllm=True, float32_compute=True)
+    twin = yaml.safe_load(config.read_text())
+    twin["model"]["overlap"] = {"max_importance_weight": 2.0}
+    twin["trainer"]["callbacks"] = [
+        c for c in twin["trainer"]["callbacks"] if "BeforeAfter" not in c["class_path"]
+    ]
+    config.write_text(yaml.safe_dump(twin))
+    run_fit(tmp_path, "--config", config)
+    per_rank = digests(tmp_path)
+    assert per_rank[0]["step"] == 3 and per_rank[0]["tensors"] == per_rank[1]["tensors"]
+    scalars = read_scalars(tmp_path / "runs" / "quickstart" / "tensorboard")
+    assert scalars["offpolicy/staleness"] == [0.0, 1.0, 1.0]
+    assert scalars["offpolicy/importance_weight_max"][0] == pytest.approx(1.0, abs=1e-3)
+    # the engine takes the weights before each rollout: steps 1 and 2 start the next one
+    assert all(seconds > 0 for seconds in scalars["perf/weight_sync_seconds"][:2])
+
+
 @pytest.mark.parametrize("recipe", ["quickstart_hard", "curriculum"])
 def test_laptop_recipe_twin_trains(recipe, tmp_path, tiny_model_dir):
     config = twin_config(recipe, tmp_path, tiny_model_dir, "", steps=2, devices=1)
