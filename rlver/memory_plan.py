@@ -129,6 +129,8 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
         ]
     if s.reference:
         resident_parts.append(("reference", policy * m))
+    if s.overlap and s.engine != "vllm":  # rlver.overlap: a snapshot for an engine without weights
+        resident_parts.append(("policy snapshot (overlap)", policy * m))
     resident_parts.append(("CUDA context", CUDA_CONTEXT))
     resident = sum(size for _, size in resident_parts)
     resident_fixes = (_FIX_GPUS,) if s.lora_rank is not None else (_FIX_GPUS, "--model.lora")

@@ -48,6 +48,7 @@ class TrainingShape:
     lora_targets: tuple[str, ...] = ()
     full_state_dict_checkpoint: bool = False
     sharding_name: str = _WHOLE_SHARDING
+    overlap: bool = False  # the next step's rollout runs during the update (rlver.overlap)
 
 
 def training_shape(
@@ -108,7 +109,10 @@ def training_shape(
         engine=engine_name,
         engine_on_gpu=accelerator != "cpu",
         gpu_memory_utilization=float(engine.get("gpu_memory_utilization", 0.8)),
-        sleep_between_rollouts=bool(engine.get("sleep_between_rollouts", False)) and accelerator != "cpu",
+        # Overlapped steps keep the engine generating through the update: it never sleeps.
+        sleep_between_rollouts=bool(engine.get("sleep_between_rollouts", False))
+        and accelerator != "cpu"
+        and model.get("overlap") is None,
         engine_bytes=4 if engine.get("dtype") == "float32" else 2,
         engine_cpu_kv_gib=float(engine.get("cpu_kv_cache_gib", 2)),
         rollout_sequences=batch_size * int(model.get("group_size", 1)),
@@ -116,6 +120,7 @@ def training_shape(
         lora_targets=lora.target_modules if lora is not None else (),
         full_state_dict_checkpoint=state_dict_type == "full",
         sharding_name=sharding if shard_count > 1 else _WHOLE_SHARDING,
+        overlap=model.get("overlap") is not None,
     )
 
 

@@ -280,6 +280,22 @@ def test_an_engine_without_its_own_weights_and_vllm_on_cpu():
     assert phase_bytes(phases)["rollout"] == resident + smol * 2 + 2 * GIB  # weights + cpu_kv_cache_gib
 
 
+def test_overlapped_steps_keep_the_engine_awake_and_hf_a_policy_snapshot():
+    arch = resolve_architecture("Qwen/Qwen2.5-7B-Instruct")
+    plain = phase_bytes(plan_memory(arch, ppo_think_shape()))
+    overlapped = phase_bytes(plan_memory(arch, ppo_think_shape(overlap=True, sleep_between_rollouts=False)))
+    awake = 0.8 * 80 * GIB  # generating through the update: no sleep
+    assert overlapped["update"] == pytest.approx(plain["update"] - GIB + awake)
+    assert overlapped["trainer resident"] == plain["trainer resident"]  # vLLM holds its own weights
+    hf = phase_bytes(plan_memory(arch, ppo_think_shape(engine="hf", rollout_sequences=4, overlap=True)))
+    hf_plain = phase_bytes(plan_memory(arch, ppo_think_shape(engine="hf", rollout_sequences=4)))
+    assert hf["trainer resident"] == hf_plain["trainer resident"] + P * 4  # a float32 snapshot
+    recipe = quiet_parse(REPO / "recipes" / "ppo_think.yaml")
+    recipe["model"]["overlap"] = {"max_importance_weight": 2.0}
+    _, shape, _ = plan_recipe(recipe, gpu_memory_gib=80.0)
+    assert shape.overlap and not shape.sleep_between_rollouts
+
+
 # ---------------------------------------------------------------------- what does not fit
 def test_one_gpu_cannot_hold_a_7b_full_fine_tuning(tmp_path, capsys):
     recipe = recipe_copy(tmp_path, "ppo_think", model__dtype="float32")
