@@ -41,7 +41,7 @@ from rlver.networks import (
     load_networks,
     optimizers_and_schedulers,
 )
-from rlver.overlap import OverlapSettings, RolloutPipeline
+from rlver.overlap import OverlapSettings, RolloutPipeline, engine_for_overlap
 from rlver.plugins import get_registry
 from rlver.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested, Trajectory
@@ -186,9 +186,10 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
 
     def rollout_runner(self, policy: Policy) -> RolloutRunner:
         """A rollout runner over `policy` with this module's engine, simulator, format and settings."""
-        engine = get_registry().build(
-            "engines", self.component_specs["engine"], flag="--model.engine", policy=policy
-        )
+        spec = self.component_specs["engine"]
+        if self.overlap is not None:
+            spec = engine_for_overlap(spec)
+        engine = get_registry().build("engines", spec, flag="--model.engine", policy=policy)
         return RolloutRunner(
             policy,
             engine,

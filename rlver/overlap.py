@@ -135,6 +135,15 @@ def behaviour_correction(
     return advantages * torch.where(mask.bool(), truncated, torch.ones_like(truncated))
 
 
+def engine_for_overlap(spec: Any) -> Any:
+    """The engine spec for overlapped steps: vLLM on a thread of its own (its state is per
+    thread, and the background rollout and the trainer both call it)."""
+    name = spec if isinstance(spec, str) else spec.get("name")
+    if name != "vllm":
+        return spec
+    return {**({"name": spec} if isinstance(spec, str) else spec), "own_thread": True}
+
+
 class SnapshotPolicy:
     """A frozen copy of the policy for an engine that would otherwise sample from the module
     being trained (`hf`); `refresh` copies the live weights in between rollouts."""
