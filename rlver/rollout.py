@@ -94,8 +94,9 @@ def dialogue_seed(base_seed: int, profile_id: str, index: int) -> int:
 class _Dialogue:
     """The mutable state of one running dialogue (`index`: its place in the call's order)."""
 
-    def __init__(self, index: int, trajectory: Trajectory, session: UserSession) -> None:
+    def __init__(self, index: int, call_seed: int, trajectory: Trajectory, session: UserSession) -> None:
         self.index = index
+        self.call_seed = call_seed  # the run's base seed: with `index`, its replies' seeds
         self.trajectory = trajectory
         self.session = session
         self.messages: list[dict[str, str]] = []  # the policy's view: system, user, assistant ...
@@ -186,7 +187,7 @@ class RolloutRunner:
             if any(member.id != members[0].id for member in members):
                 raise ValueError(f"group at {leader} mixes profiles {sorted({m.id for m in members})}")
         dialogues = [
-            self._new_dialogue(index, profile, seeds[index], seeds[index - index % group_size])
+            self._new_dialogue(index, base_seed, profile, seeds[index], seeds[index - index % group_size])
             for index, profile in enumerate(profiles)
         ]
         if self.settings.schedule == "dialogue" and self.simulator.waits_on_io:
@@ -222,7 +223,7 @@ class RolloutRunner:
             self.settings.temperature,
             self.settings.top_p,
             seed=self.settings.seed,
-            prompt_seeds=tuple(turn_seed(d.trajectory.seed, d.trajectory.num_turns) for d in batch),
+            prompt_seeds=tuple(turn_seed(d.call_seed, d.trajectory.num_turns, d.index) for d in batch),
         )
         started = time.perf_counter()
         generations = self.engine.generate([d.prompt_ids for d in batch], sampling)
@@ -274,13 +275,15 @@ class RolloutRunner:
                 return fmt.adapt_system_prompt(protocol, profile)
         return fmt.system_prompt(profile)
 
-    def _new_dialogue(self, index: int, profile: Profile, seed: int, user_seed: int) -> _Dialogue:
+    def _new_dialogue(
+        self, index: int, call_seed: int, profile: Profile, seed: int, user_seed: int
+    ) -> _Dialogue:
         """A dialogue before its opening: the session (a group shares `user_seed`) and prompt."""
         session = self.simulator.open(profile, seed=user_seed)
         trajectory = Trajectory(profile, seed, self.system_prompt(profile), components=self.components)
         level = getattr(session, "difficulty", None)  # a Difficulty, a name, or absent
         trajectory.difficulty = getattr(level, "name", level)
-        return _Dialogue(index, trajectory, session)
+        return _Dialogue(index, call_seed, trajectory, session)
 
     def _begin(self, dialogue: _Dialogue, opening: UserTurn) -> None:
         trajectory = dialogue.trajectory

@@ -10,12 +10,12 @@ pool; the engine samples, in one call, every dialogue whose answer is in. In-pro
 answer a whole call's replies at once, so for them the two schedules make the same calls.
 
 Neither schedule changes what a dialogue samples: each reply is drawn with a seed of its own
-(`turn_seed` of the dialogue's seed and the turn), whatever else shares its engine call.
+(`turn_seed` of the call's seed, the turn and the dialogue's index), whatever else shares its
+engine call.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -32,10 +32,13 @@ SCHEDULES = ("dialogue", "lockstep")
 GATHER_SECONDS = 0.05
 
 
-def turn_seed(dialogue_seed: int, turn: int) -> int:
-    """The sampling seed of one reply: 31 bits, so that any engine or server takes it."""
-    digest = hashlib.sha256(f"{dialogue_seed}:{turn}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") >> 1
+def turn_seed(call_seed: int, turn: int, index: int) -> int:
+    """The sampling seed of one reply: dialogue `index` of a `run(seed=call_seed)`, at `turn`.
+
+    The seed rlver's lockstep loop gave the reply at position `index` of a turn's engine call
+    before replies had seeds of their own, so a dialogue that is at its own index in that call
+    (every dialogue, while none has ended early) samples what it sampled then."""
+    return (call_seed + turn) * 1_000_003 + index
 
 
 OnTurn = Callable[[int, int], None] | None
