@@ -54,17 +54,23 @@ def run_lockstep(
         active = [d for d in active if runner.fits_context(d)]
         if not active:
             break
-        policy_turns = runner.sample(active)
-        started = time.perf_counter()
-        user_turns = runner.simulator.respond_batch(
-            [d.session for d in active], [t.parsed.visible for t in policy_turns]
-        )
-        runner.timings["simulator"] += time.perf_counter() - started
-        for dialogue, policy_turn, user_turn in zip(active, policy_turns, user_turns, strict=True):
-            runner.advance(dialogue, policy_turn, user_turn)
-        active = [d for d in active if not d.trajectory.termination]
+        active = answer_together(runner, active, runner.sample(active))
         if on_turn is not None:
             on_turn(turn + 1, len(active))
+
+
+def answer_together(
+    runner: RolloutRunner, batch: list[_Dialogue], policy_turns: list[PolicyTurn]
+) -> list[_Dialogue]:
+    """The users of `batch` answer its replies in one simulator call; the dialogues still going."""
+    started = time.perf_counter()
+    user_turns = runner.simulator.respond_batch(
+        [d.session for d in batch], [t.parsed.visible for t in policy_turns]
+    )
+    runner.timings["simulator"] += time.perf_counter() - started
+    for dialogue, policy_turn, user_turn in zip(batch, policy_turns, user_turns, strict=True):
+        runner.advance(dialogue, policy_turn, user_turn)
+    return [d for d in batch if not d.trajectory.termination]
 
 
 class _Answers:
@@ -127,14 +133,7 @@ def run_dialogue_level(
             policy_turns = runner.sample(batch)
             furthest = max(furthest, *(d.trajectory.num_turns + 1 for d in batch))
             if in_process:
-                started = time.perf_counter()
-                user_turns = runner.simulator.respond_batch(
-                    [d.session for d in batch], [t.parsed.visible for t in policy_turns]
-                )
-                runner.timings["simulator"] += time.perf_counter() - started
-                for dialogue, policy_turn, user_turn in zip(batch, policy_turns, user_turns, strict=True):
-                    runner.advance(dialogue, policy_turn, user_turn)
-                ready = [d for d in batch if not d.trajectory.termination]
+                ready = answer_together(runner, batch, policy_turns)
             else:
                 for dialogue, policy_turn in zip(batch, policy_turns, strict=True):
                     answers.ask(
