@@ -12,7 +12,8 @@ reply) after a latency drawn per request:
 
 Modes: `lockstep` (every turn waits for all generations, then all answers), `dialogue` (the
 default: a dialogue goes on when its user has answered), `overlapped` (dialogue-level, and the
-next step's dialogues run while this step's update does: `--model.overlap`).
+next step's dialogues run while this step's update does: `--model.overlap`), `overlapped-2`
+(the same with `max_staleness: 2`: two steps' dialogues in flight together; not run by default).
 
 Printed per latency and mode, medians over steps 2..N: seconds per step, the speed-up over
 lockstep, the trainer's wait (the share of a step in which it neither generated nor updated:
@@ -55,7 +56,12 @@ LATENCIES = {
     "lognormal": ("lognormal:{a}:0.6", {"a": 2.5}, 0.0),
     "retried": ("lognormal:{a}:0.6", {"a": 2.5}, 0.05),
 }
-MODES = {"lockstep": ("lockstep", False), "dialogue": ("dialogue", False), "overlapped": ("dialogue", True)}
+# mode: (rollout.schedule, overlap's max_staleness; 0 = no overlap)
+MODES = {
+    "lockstep": ("lockstep", 0), "dialogue": ("dialogue", 0), "overlapped": ("dialogue", 1),
+    "overlapped-2": ("dialogue", 2),
+}  # fmt: skip
+DEFAULT_MODES = ["lockstep", "dialogue", "overlapped"]
 
 
 def tiny_model(folder: Path) -> Path:
@@ -81,7 +87,7 @@ def tiny_model(folder: Path) -> Path:
 
 
 def fit_config(
-    work: Path, model: Path, url: str, schedule: str, overlap: bool, steps: int, scale: float
+    work: Path, model: Path, url: str, schedule: str, overlap: int, steps: int, scale: float
 ) -> Path:
     config = {
         "seed_everything": 0,
@@ -102,7 +108,7 @@ def fit_config(
             },
             "ppo": {"micro_batch_size": 8},
             "log_samples_every_n_steps": 0,
-            **({"overlap": {"max_importance_weight": 2.0}} if overlap else {}),
+            **({"overlap": {"max_importance_weight": 2.0, "max_staleness": overlap}} if overlap else {}),
         },
         "data": {"train_files": ["builtin:en_train"], "batch_size": 8},
     }  # fmt: skip
@@ -215,7 +221,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per run (medians of steps 2..N)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every latency")
     parser.add_argument("--latencies", nargs="+", default=list(LATENCIES), choices=list(LATENCIES))
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "async_rollouts.json")
     parser.add_argument(
         "--learning-check", action="store_true", help="the quickstart, on-policy vs overlapped"

@@ -271,6 +271,12 @@ def _lightning_cli_class() -> type:
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.num_sanity_val_steps": 0, "trainer.max_steps": 1000})
 
+        def _parse_ckpt_path(self) -> None:
+            """The run's settings are the config's, never a checkpoint's: Lightning would replace
+            every `model.*` value with the one saved in a checkpoint *file* (not for `last`), so
+            a run moved to another model folder, or resumed with a changed setting, would
+            silently use the old one, depending on how the checkpoint was named."""
+
     return RLVERCLI
 
 

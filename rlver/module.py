@@ -93,9 +93,10 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         low_precision_weights: Allow training full weights held in bfloat16/float16 (`dtype`, or
             `--trainer.precision bf16-true/16-true`). Off: refused, since updates at RL learning
             rates round away; float32 weights with bf16-mixed compute are the default way.
-        overlap: Roll out the next step's dialogues while this step's update runs, and train on
-            them one step later with decoupled PPO's correction ({max_importance_weight}); for
-            users with real latency (rlver.overlap). None: every step trains on its own rollout.
+        overlap: Roll out the next steps' dialogues while this step's update runs, and train on
+            them 1 to `max_staleness` steps later with decoupled PPO's correction
+            ({max_importance_weight, max_staleness}); for users with real latency
+            (rlver.overlap). None: every step trains on its own rollout.
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             curriculum,
         )  # fmt: skip
         self.overlap = OverlapSettings(**overlap) if isinstance(overlap, dict) else overlap
-        self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's next step
+        self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's steps ahead
         self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
         self.strict_loading = self.lora is None

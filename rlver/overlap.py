@@ -1,12 +1,14 @@
-"""Overlapped rollouts (opt-in): the next step's dialogues run while this step's update does.
+"""Overlapped rollouts (opt-in): the next steps' dialogues run while this step's update does.
 
-Step k trains on dialogues sampled by the weights of step k-1 while the dialogues of step k+1
-are rolled out in a background thread with the weights of step k. Staleness is exactly one
-step for every dialogue but those of the first step (none): a rollout never sees a weight
-sync while it runs, so what it samples depends only on the weights it started with and its
-seeds, never on timing; a resumed run therefore trains on what the uninterrupted one would
-(the checkpoint holds the finished next-step dialogues, since the weights they were sampled
-with are no longer anywhere).
+With `max_staleness` k, the step that finds no rollout ahead of it starts the rollouts of the
+next k steps at once, in background threads, with its own (not yet updated) weights; steps
+t+1..t+k then train on them, at staleness 1..k. k = 1 is the plain pipeline: step k trains on
+dialogues sampled by the weights of step k-1 while those of step k+1 run. A larger k keeps more
+dialogues in flight (k steps' worth) where users are slow to answer, at more staleness. The
+engine's weights change only when no rollout runs, so what a rollout samples depends only on
+the weights it started with and its seeds, never on timing; a resumed run therefore trains on
+what the uninterrupted one would (the checkpoint holds the finished rollouts ahead, since the
+weights they were sampled with are no longer anywhere).
 
 The correction is decoupled PPO's (Hilton et al. 2022; AReaL): the clipped ratio is taken
 against the proximal policy (the weights about to be updated, whose log-probs the trainer
@@ -17,7 +19,7 @@ advantage is the same as scaling the clipped surrogate.
 
 The engine must hold weights of its own: vLLM does; `hf` samples from the training module
 itself, so the overlapped mode gives it a snapshot copy of the policy (one more copy of the
-weights in memory) that is refreshed between rollouts.
+weights in memory) that is refreshed when no rollout runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import copy
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,20 +51,27 @@ class OverlapSettings:
     Args:
         max_importance_weight: Truncation of the behaviour importance weight
             pi_prox / pi_behaviour (>= 1); tokens above it count at this weight.
+        max_staleness: How many steps ahead rollouts run (>= 1): the step with none ahead starts
+            the next `max_staleness` steps' rollouts together, so a step trains on dialogues
+            sampled 1 to `max_staleness` updates ago.
     """
 
     max_importance_weight: float = 2.0
+    max_staleness: int = 1
 
     def __post_init__(self) -> None:
         if not self.max_importance_weight >= 1.0:
             raise ValueError(
                 f"--model.overlap.max_importance_weight ({self.max_importance_weight}) must be >= 1"
             )
+        staleness = self.max_staleness
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+            raise ValueError(f"--model.overlap.max_staleness ({staleness!r}) must be an integer >= 1")
 
 
 @dataclass
 class PendingRollout:
-    """The next step's dialogues: in flight (`future`) or finished (`trajectories`)."""
+    """A step's dialogues rolled out ahead: in flight (`future`) or finished (`trajectories`)."""
 
     step: int
     profiles: list[Profile]
@@ -78,36 +88,51 @@ class PendingRollout:
 
 
 class RolloutPipeline:
-    """One background rollout at a time, for the step after the one being trained."""
+    """The rollouts of the steps ahead of the one being trained, each in a background thread."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlver-next-step")
-        self.pending: PendingRollout | None = None
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = workers
+        self._pool = self._new_pool()
+        self.pending: dict[int, PendingRollout] = {}  # by step, in step order
 
-    def start(self, step: int, profiles: list[Profile], weights_step: int, run: Any) -> None:
-        self.pending = PendingRollout(step, list(profiles), weights_step, future=self._pool.submit(run))
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rlver-next-steps")
+
+    def start(
+        self, step: int, profiles: list[Profile], weights_step: int, run: Callable[[dict], list[Trajectory]]
+    ) -> PendingRollout:
+        """Run `run(timings)` in the background for `step`; it fills `timings` as it goes."""
+        pending = PendingRollout(step, list(profiles), weights_step)
+        pending.future = self._pool.submit(run, pending.timings)
+        self.pending[step] = pending
+        return pending
 
     def matching(self, step: int, profiles: list[Profile]) -> PendingRollout | None:
         """The pending rollout, finished, when it is the one for `step` and these profiles; else
         None (e.g. an epoch's last, partial batch differs from the one foreseen). It stays
-        pending until the step goes on (`pending = None`): a stop now checkpoints it."""
-        pending = self.pending
+        pending until the step goes on (`finish`): a stop now checkpoints it."""
+        pending = self.pending.get(step)
         if pending is None:
             return None
         pending.result()
-        if pending.step != step or pending.profiles != list(profiles):
+        if pending.profiles != list(profiles):
             return None
         return pending
 
+    def finish(self, step: int) -> None:
+        """The step has its dialogues: its rollout (used or not) is no longer pending."""
+        self.pending.pop(step, None)
+
     def wait(self) -> None:
-        if self.pending is not None:
-            self.pending.result()
+        """Until no rollout runs (the engine is then free; an error surfaces here)."""
+        for pending in list(self.pending.values()):
+            pending.result()
 
     def drop(self) -> None:
-        """Forget the pending rollout (the run ends, or a stop); a running one finishes unseen."""
-        self.pending = None
+        """Forget the pending rollouts (the run ends, or a stop); running ones finish unseen."""
+        self.pending = {}
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlver-next-step")
+        self._pool = self._new_pool()
 
 
 def behaviour_correction(
@@ -188,8 +213,9 @@ class OverlapHooks:
     """The overlapped mode's part of `RLVERModule` (mixed in; inactive when `overlap` is None)."""
 
     def _overlapped_roll_out(self, dialogues: list[Profile], step: int, seconds: dict) -> Any:
-        """This step's dialogues (the ones rolled out during the last update, if they are these)
-        and the start of the next step's; (trajectories, weights step), or None on a stop."""
+        """This step's dialogues (the ones rolled out ahead, if they are these) and, when no
+        rollout is left ahead, the start of the next steps'; (trajectories, weights step), or
+        None on a stop."""
         from rlver.plugins import get_registry
         from rlver.stopping import run_unless_stopped
 
@@ -203,6 +229,7 @@ class OverlapHooks:
                 sampled_by.append(pending.weights_step)
                 seconds.update(generate=pending.timings["generate"], simulator=pending.timings["simulator"])
                 return pending.result()
+            pipeline.wait()  # the engine's weights change only when no rollout runs
             sync_started = time.perf_counter()
             self._sync_engine_for_rollout()
             seconds["weight_sync"] = time.perf_counter() - sync_started
@@ -221,31 +248,33 @@ class OverlapHooks:
         self.fatal_error = fatal or self.fatal_error
         if trajectories is None:
             return None
-        pipeline.pending = None
+        pipeline.finish(step)
         seconds["rollout"] = time.perf_counter() - started  # the trainer's wait, not the rollout's length
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
-        sync_started = time.perf_counter()
-        self._start_next_rollout(step + 1)
-        seconds["weight_sync"] = seconds.get("weight_sync", 0.0) + time.perf_counter() - sync_started
+        if not pipeline.pending:
+            sync_started = time.perf_counter()
+            self._start_rollouts_ahead(step + 1)
+            seconds["weight_sync"] = seconds.get("weight_sync", 0.0) + time.perf_counter() - sync_started
         return trajectories, sampled_by[0]
 
-    def _start_next_rollout(self, step: int) -> None:
+    def _start_rollouts_ahead(self, first_step: int) -> None:
+        """Start the rollouts of steps first_step .. first_step + max_staleness - 1 (those
+        before `max_steps`) with the weights of now."""
         trainer = self._trainer
-        if trainer is None or (trainer.max_steps > 0 and step >= trainer.max_steps):
+        last = first_step + self.overlap.max_staleness
+        if trainer is not None and trainer.max_steps > 0:
+            last = min(last, trainer.max_steps)
+        if trainer is None or first_step >= last:
             return
         datamodule = getattr(trainer, "datamodule", None)
         if not hasattr(datamodule, "train_batch_at"):
             raise ValueError("--model.overlap needs rlver's ProfileDataModule (it foresees the next batch)")
-        dialogues = self._step_dialogues(datamodule.train_batch_at(step), step)
         self._sync_engine_for_rollout()
-        runner, seed, group_size = self.background_runner, self._rollout_seed(step), self.hparams.group_size
-
-        def run() -> list[Trajectory]:
-            trajectories = runner.run(dialogues, seed=seed, group_size=group_size)
-            self.pipeline.pending.timings = dict(runner.timings)
-            return trajectories
-
-        self.pipeline.start(step, dialogues, weights_step=self.global_step, run=run)
+        for step in range(first_step, last):
+            dialogues = self._step_dialogues(datamodule.train_batch_at(step), step)
+            runner = self.background_runners[step % len(self.background_runners)]
+            run = _background_run(runner, dialogues, self._rollout_seed(step), self.hparams.group_size)
+            self.pipeline.start(step, dialogues, weights_step=self.global_step, run=run)
 
     def _sync_engine_for_rollout(self) -> None:
         if self.snapshot is not None:
@@ -263,42 +292,59 @@ class OverlapHooks:
         )  # fmt: skip
 
     def _build_background_runner(self, policy: Policy) -> None:
-        """The runner the next step's rollouts use: the module's engine when it holds weights
-        of its own (vLLM), else an engine over a snapshot copy of the policy."""
+        """The runners of the rollouts ahead (one per step in flight, each with its timings),
+        over the module's engine when it holds weights of its own (vLLM), else over an engine
+        on a snapshot copy of the policy; all of them share that one engine."""
         from rlver.distributed import is_sharded
 
-        self.pipeline, self.snapshot = RolloutPipeline(), None
+        depth = self.overlap.max_staleness
+        self.pipeline, self.snapshot = RolloutPipeline(workers=depth), None
         if getattr(self.runner.engine, "samples_from_training_module", False):
             if is_sharded(self.policy_model):
                 raise ValueError("--model.overlap with the hf engine needs an unsharded policy; use vllm")
             self.snapshot = SnapshotPolicy(policy)
-            self.background_runner = self.rollout_runner(self.snapshot.policy)
-        else:  # the same engine (one copy of the weights), with a runner of its own (timings)
-            live = self.runner
-            self.background_runner = RolloutRunner(
-                policy, live.engine, live.simulator, live.prompt_format, live.settings, live.components
+            first = self.rollout_runner(self.snapshot.policy)
+            policy = self.snapshot.policy
+        else:
+            first = self.runner
+        self.background_runners = [
+            RolloutRunner(
+                policy, first.engine, first.simulator, first.prompt_format, first.settings, first.components
             )
+            for _ in range(depth)
+        ]
 
     def save_pending_rollout(self, checkpoint: dict[str, Any]) -> None:
-        pending = self.pipeline.pending if self.overlap is not None else None
-        if pending is None:
+        if self.overlap is None or not self.pipeline.pending:
             return
-        try:
-            trajectories = pending.result()
-        except Exception:
-            return
-        checkpoint[PENDING_KEY] = {
-            "step": pending.step,
-            "weights_step": pending.weights_step,
-            "trajectories": trajectories_to_json(trajectories),
-        }
+        saved = []
+        for pending in self.pipeline.pending.values():
+            try:
+                trajectories = pending.result()
+            except Exception:
+                return  # a failed rollout ahead: the resumed run rolls those steps out again
+            saved.append(
+                {"step": pending.step, "weights_step": pending.weights_step,
+                 "trajectories": trajectories_to_json(trajectories)}
+            )  # fmt: skip
+        checkpoint[PENDING_KEY] = saved
 
     def load_pending_rollout(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get(PENDING_KEY)
-        if self.overlap is None or state is None:
+        saved = checkpoint.get(PENDING_KEY)
+        if self.overlap is None or saved is None:
             return
-        trajectories = trajectories_from_json(state["trajectories"])
-        profiles = [t.profile for t in trajectories]
-        self.pipeline.pending = PendingRollout(
-            state["step"], profiles, state["weights_step"], trajectories=trajectories
-        )
+        for state in [saved] if isinstance(saved, dict) else saved:  # a dict: one, as first written
+            trajectories = trajectories_from_json(state["trajectories"])
+            profiles = [t.profile for t in trajectories]
+            self.pipeline.pending[state["step"]] = PendingRollout(
+                state["step"], profiles, state["weights_step"], trajectories=trajectories
+            )
+
+
+def _background_run(runner: RolloutRunner, dialogues: list[Profile], seed: int, group_size: int) -> Callable:
+    def run(timings: dict) -> list[Trajectory]:
+        trajectories = runner.run(dialogues, seed=seed, group_size=group_size)
+        timings.update(runner.timings)
+        return trajectories
+
+    return run

@@ -115,7 +115,8 @@ def training_shape(
         and model.get("overlap") is None,
         engine_bytes=4 if engine.get("dtype") == "float32" else 2,
         engine_cpu_kv_gib=float(engine.get("cpu_kv_cache_gib", 2)),
-        rollout_sequences=batch_size * int(model.get("group_size", 1)),
+        # overlapped with max_staleness k: k steps' rollouts generate at once
+        rollout_sequences=batch_size * int(model.get("group_size", 1)) * overlap_depth(model.get("overlap")),
         lora_rank=lora.rank if lora is not None else None,
         lora_targets=lora.target_modules if lora is not None else (),
         full_state_dict_checkpoint=state_dict_type == "full",
@@ -174,6 +175,7 @@ def shape_from_run(module: Any, trainer: Any, gpu_memory_gib: float) -> Training
         "lora": dataclasses.asdict(module.lora) if module.lora is not None else None,
         "gradient_checkpointing": hparams.gradient_checkpointing,
         "group_size": hparams.group_size,
+        "overlap": dataclasses.asdict(module.overlap) if module.overlap is not None else None,
     }
     datamodule = getattr(trainer, "datamodule", None)
     return training_shape(
@@ -188,6 +190,14 @@ def shape_from_run(module: Any, trainer: Any, gpu_memory_gib: float) -> Training
         accelerator="cpu" if strategy.root_device.type == "cpu" else "gpu",
         batch_size=int(getattr(datamodule, "batch_size", 1) or 1),
     )
+
+
+def overlap_depth(overlap: Any) -> int:
+    """How many steps' rollouts run at once: `--model.overlap.max_staleness` (1 without overlap)."""
+    if overlap is None:
+        return 1
+    value = overlap.get("max_staleness", 1) if isinstance(overlap, dict) else overlap.max_staleness
+    return max(1, int(value))
 
 
 def _device_count(devices: Any, accelerator: str) -> int:

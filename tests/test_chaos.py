@@ -270,9 +270,10 @@ def test_a_kill_while_writing_a_sharded_checkpoint_keeps_the_previous_one(tmp_pa
 
 
 def test_overlapped_rollouts_killed_anywhere_resume_to_the_uninterrupted_run(tmp_path, tiny_model_dir):
-    """`--model.overlap`: the next step's dialogues are in flight at each kill; the checkpoint
-    holds them finished (their weights are gone after the update), so the resumed run trains on
-    what the uninterrupted one did: same weights, transcripts and staleness."""
+    """`--model.overlap` with max_staleness 2: the next steps' dialogues are in flight at each
+    kill (two steps' at the first); the checkpoint holds them finished (their weights are gone
+    after the update), so the resumed run trains on what the uninterrupted one did: same
+    weights, transcripts and staleness."""
     from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
     steps = 5
@@ -289,7 +290,7 @@ def test_overlapped_rollouts_killed_anywhere_resume_to_the_uninterrupted_run(tmp
             twin["trainer"]["callbacks"] = [
                 c for c in callbacks if not c["class_path"].endswith("BeforeAfter")
             ]
-            twin["model"]["overlap"] = {"max_importance_weight": 2.0}
+            twin["model"]["overlap"] = {"max_importance_weight": 2.0, "max_staleness": 2}
             config.write_text(yaml.safe_dump(twin, sort_keys=False))
         process = launch(straight, straight / config.name, fresh=True)
         output, _ = process.communicate(timeout=1800)
@@ -308,7 +309,8 @@ def test_overlapped_rollouts_killed_anywhere_resume_to_the_uninterrupted_run(tmp
     assert transcript_lines(chaos / name) == transcript_lines(straight / name)
     clean = read_scalars(straight / "runs" / RECIPE / "tensorboard")
     resumed = read_scalars(chaos / "runs" / RECIPE / "tensorboard")
-    assert clean["offpolicy/staleness"] == resumed["offpolicy/staleness"] == [0.0] + [1.0] * (steps - 1)
+    # step 0 on-policy; it starts steps 1 and 2 with its weights, step 2 starts 3 and 4
+    assert clean["offpolicy/staleness"] == resumed["offpolicy/staleness"] == [0.0, 1.0, 2.0, 1.0, 2.0]
     assert resumed["reward/total"] == clean["reward/total"]
     # The behaviour log-probs the engine records differ in their last bits with which dialogues
     # shared an engine call (under dialogue-level scheduling, a matter of timing), and they enter

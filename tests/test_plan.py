@@ -290,6 +290,16 @@ def test_overlapped_steps_keep_the_engine_awake_and_hf_a_policy_snapshot():
     hf = phase_bytes(plan_memory(arch, ppo_think_shape(engine="hf", rollout_sequences=4, overlap=True)))
     hf_plain = phase_bytes(plan_memory(arch, ppo_think_shape(engine="hf", rollout_sequences=4)))
     assert hf["trainer resident"] == hf_plain["trainer resident"] + P * 4  # a float32 snapshot
+    # max_staleness 2: two steps' rollouts generate at once, each with its KV cache
+    recipe = quiet_parse(REPO / "recipes" / "ppo_think.yaml")
+    recipe["model"]["engine"] = "hf"
+    cache = {}
+    for depth in (1, 2):
+        recipe["model"]["overlap"] = {"max_staleness": depth}
+        _, shape, phases = plan_recipe(recipe, gpu_memory_gib=80.0)
+        cache[depth] = dict(next(p for p in phases if p.name == "rollout").parts)["KV cache"]
+        assert shape.rollout_sequences == depth  # 1 profile x group 1 per GPU, per step
+    assert cache[2] == pytest.approx(2 * cache[1])
     recipe = quiet_parse(REPO / "recipes" / "ppo_think.yaml")
     recipe["model"]["overlap"] = {"max_importance_weight": 2.0}
     _, shape, _ = plan_recipe(recipe, gpu_memory_gib=80.0)

@@ -42,7 +42,11 @@ def test_a_checkpoint_written_before_the_split_resumes_and_trains_step_3(tmp_pat
     path.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
     resumed_from = tmp_path / "pre_split.ckpt"
     shutil.copy(FIXTURE / "last.ckpt", resumed_from)
-    assert torch.load(resumed_from, map_location="cpu", weights_only=True)["global_step"] == 2
+    fixture = torch.load(resumed_from, map_location="cpu", weights_only=True)
+    assert fixture["global_step"] == 2
+    # saved where the fixture was made: the config's folder must win (Lightning's own CLI would
+    # take the checkpoint file's `model.*` settings and look for that folder)
+    assert fixture["hyper_parameters"]["policy"] != str(model_dir)
 
     run_fit(tmp_path, "--config", path, "--ckpt_path", resumed_from)
 
@@ -50,6 +54,7 @@ def test_a_checkpoint_written_before_the_split_resumes_and_trains_step_3(tmp_pat
         tmp_path / "runs" / "quickstart" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
     )
     assert last["global_step"] == 3
+    assert last["hyper_parameters"]["policy"] == str(model_dir)
     before = torch.load(resumed_from, map_location="cpu", weights_only=True)["state_dict"]
     assert before.keys() == last["state_dict"].keys()
     assert any(not torch.equal(before[name], last["state_dict"][name]) for name in before)  # step 3 trained
