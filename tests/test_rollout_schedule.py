@@ -23,31 +23,47 @@ def tiny_policy(tiny_model_dir):
     return load_policy(str(tiny_model_dir))
 
 
+# How long a held answer waits for its release before the test counts the schedule as stuck
+# (far above any CPU's time for the work that releases it; reached only when the check fails).
+HOLD_LIMIT_SECONDS = 120.0
+
+
 class EndpointSession(ScriptedSession):
-    """An answer that takes `delays[turn]` seconds, as an LLM endpoint's would."""
+    """An answer that takes `delays[turn]` seconds, as an LLM endpoint's would; the `held` one
+    waits until the simulator releases it."""
 
     def __init__(self, profile, simulator):
         super().__init__(profile, success_at=1000)
         self.simulator = simulator
 
     def respond(self, reply):
-        delay = self.simulator.delays.get((self.profile.id, len(self.replies)), 0.0)
-        time.sleep(delay)
-        with self.simulator.lock:
-            self.simulator.answered.append((self.profile.id, len(self.replies), time.monotonic()))
-        if self.profile.id in self.simulator.failing:
+        simulator, key = self.simulator, (self.profile.id, len(self.replies))
+        time.sleep(simulator.delays.get(key, 0.0))
+        if key == simulator.held and not simulator.release.wait(timeout=HOLD_LIMIT_SECONDS):
+            simulator.held_too_long = True
+        with simulator.lock:
+            simulator.answered.append(key)
+            others = sum(who != simulator.held[0] for who, _ in simulator.answered) if simulator.held else 0
+            if simulator.release_after is not None and others >= simulator.release_after:
+                simulator.release.set()
+        if self.profile.id in simulator.failing:
             return UserTurn("", self.emotion, 0.0, {"error": "injected"}, "simulator_error")
-        if self.profile.id in self.simulator.gone:
+        if self.profile.id in simulator.gone:
             raise SimulatorUnavailable("the endpoint is gone")
         return super().respond(reply)
 
 
 class EndpointSimulator(ScriptedSimulator):
+    """`held`: the (profile id, turn) whose answer waits for `release` (set by the test, or once
+    `release_after` answers of the other dialogues are in): ordering without timing."""
+
     waits_on_io = True
 
-    def __init__(self, delays=None, failing=(), gone=()):
+    def __init__(self, delays=None, failing=(), gone=(), held=None, release_after=None):
         super().__init__()
         self.delays, self.failing, self.gone = dict(delays or {}), set(failing), set(gone)
+        self.held, self.release_after = held, release_after
+        self.release, self.held_too_long = threading.Event(), False
         self.lock = threading.Lock()
         self.answered = []
         self.threads = set()
@@ -108,19 +124,21 @@ def test_with_an_instant_endpoint_user_the_dialogues_equal_lockstep(tiny_policy)
 
 
 def test_a_slow_user_holds_up_only_its_own_dialogue(tiny_policy):
-    """User a answers in 1.5 s each turn, the others at once: b, c and d finish all three turns
-    before a's first answer is in, in engine calls without a; every dialogue samples what
-    lockstep samples."""
-    slow = {("a", turn): 1.5 for turn in range(3)}
-    lockstep, lockstep_engine = run(tiny_policy, EndpointSimulator(slow), "lockstep", PROFILES)
-    simulator = EndpointSimulator(slow)
+    """User a's first answer is held until b, c and d have had all three turns answered: that
+    can happen only if they go on without a (with a barrier they would wait for it, and it for
+    them, until HOLD_LIMIT_SECONDS). Every dialogue samples what lockstep samples."""
+    lockstep, lockstep_engine = run(tiny_policy, EndpointSimulator(), "lockstep", PROFILES)
+    simulator = EndpointSimulator(held=("a", 0), release_after=9)
     dialogue, engine = run(tiny_policy, simulator, "dialogue", PROFILES)
+    assert not simulator.held_too_long, "b, c and d waited for a"
     assert tokens(dialogue) == tokens(lockstep)
     assert lockstep_engine.calls == [4, 4, 4]
-    first_a = next(when for who, turn, when in simulator.answered if who == "a")
-    others_done = max(when for who, turn, when in simulator.answered if who != "a")
-    assert others_done < first_a
-    assert engine.calls == [4, 3, 3, 1, 1]  # together; b-d twice more; then a alone, twice
+    first_a = simulator.answered.index(("a", 0))
+    assert sorted(simulator.answered[:first_a]) == [(who, turn) for who in "bcd" for turn in range(3)]
+    # one call for all four; then b-d's two more turns (in two calls, or more where an answer
+    # came in after the others' gathering window); then a alone, twice
+    assert engine.calls[0] == 4 and engine.calls[-2:] == [1, 1]
+    assert sum(engine.calls[1:-2]) == 6 and len(engine.calls[1:-2]) >= 2
 
 
 def test_groups_share_their_opening_and_start_when_it_arrives(tiny_policy):
@@ -141,14 +159,18 @@ def test_a_failed_answer_ends_only_its_dialogue_and_a_gone_endpoint_ends_the_rol
 
 
 def test_a_stop_is_honoured_without_waiting_for_a_slow_user(tiny_policy):
-    simulator = EndpointSimulator({("a", 0): 5.0})
+    """a's first answer is held for as long as the test runs: the stop (after the second engine
+    call) ends the rollout while it is still out."""
+    simulator = EndpointSimulator(held=("a", 0))
     engine = CountingEngine(tiny_policy)
     settings = RolloutSettings(max_turns=3, max_new_tokens=8, seed=3, schedule="dialogue")
     runner = RolloutRunner(tiny_policy, engine, simulator, NoThinkFormat(), settings)
-    started = time.monotonic()
-    with pytest.raises(StopRequested):
-        runner.run(PROFILES, should_stop=lambda: len(engine.calls) >= 2)
-    assert time.monotonic() - started < 4.0  # a's answer (5 s) was not waited for
+    try:
+        with pytest.raises(StopRequested):
+            runner.run(PROFILES, should_stop=lambda: len(engine.calls) >= 2)
+        assert ("a", 0) not in simulator.answered and not simulator.held_too_long
+    finally:
+        simulator.release.set()  # the abandoned call finishes on its own thread
 
 
 def test_the_sage_user_behind_a_server_with_latency_gives_lockstep_dialogues(tiny_policy):
