@@ -37,7 +37,10 @@ def test_what_import_time_reads_sends_a_launch_to_a_fresh_interpreter():
     assert launcher.needs_fresh_process(["fit"], env) == ""
     assert launcher.needs_fresh_process(["fit"], {**env, "RLVER_SIMULATOR_API_KEY": "k"}) == ""
     assert launcher.needs_fresh_process(["fit"], {**env, "PYTHONPATH": str(REPO)}) == ""
-    assert launcher.needs_fresh_process(["fit"], {**env, "ATEN_CPU_CAPABILITY": "avx2"})  # torch, at load
+    other_kernels = "default" if env.get("ATEN_CPU_CAPABILITY") == "avx2" else "avx2"  # not the warm one's
+    assert launcher.needs_fresh_process(
+        ["fit"], {**env, "ATEN_CPU_CAPABILITY": other_kernels}
+    )  # torch, at load
     assert launcher.needs_fresh_process(["fit"], {**env, "RLVER_VERBOSE": "1"})  # logging, at import
     assert launcher.needs_fresh_process(["fit", "--verbose"], env)
     assert launcher.needs_fresh_process(["fit"], env, fresh=True)
