@@ -331,12 +331,15 @@ def lightning_command(argv: Sequence[str]) -> int:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"prog": "rlver"},
     )
+    failed_ranks = cli.trainer.wait_for_launched_ranks()  # {} on every process but the launching one
     fatal = getattr(cli.model, "fatal_error", None)
     if fatal is not None:  # the run stopped itself (with last.ckpt) instead of going on without a user
         if cli.trainer.global_rank != 0:
             return 1  # rank 0 says it, once
         raise fatal
-    return 0
+    for local_rank, code in failed_ranks.items():
+        print(f"rlver {argv[0]}: error: local rank {local_rank} exited with status {code}", file=sys.stderr)
+    return 1 if failed_ranks else 0
 
 
 def parse_recipe(path: str) -> Namespace:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -81,6 +83,16 @@ class Trainer(L.Trainer):
                         note(f"{path}: put back (a kill interrupted the checkpoint write that replaced it)")
         return super().fit(*args, **kwargs)
 
+    def wait_for_launched_ranks(self, timeout_seconds: float = 300.0) -> dict[int, int]:
+        """Wait for the ranks Lightning's own launcher started from this process (none elsewhere).
+
+        Lightning's launcher does not: rank 0 would exit, and `rlver fit` return, while another
+        rank still writes its transcripts or end-of-training files, and a rank that failed after
+        rank 0 finished would go unreported. Returns the exit codes that are not 0, by local rank.
+        """
+        children = getattr(getattr(self.strategy, "launcher", None), "procs", None) or []
+        return wait_for_processes(children, timeout_seconds)
+
 
 # What launchers say a process is: torchrun (RANK), SLURM, MPI; Lightning's own launcher sets only
 # LOCAL_RANK (and NODE_RANK on several nodes) in the processes it starts.
@@ -117,3 +129,19 @@ def widen_collective_timeout(strategy: Any, seconds: float) -> bool:
         "the simulator's retries can keep one rank that long"
     )
     return True
+
+
+def wait_for_processes(processes: list[subprocess.Popen], timeout_seconds: float) -> dict[int, int]:
+    """Wait for every process; one still running at the deadline is killed. The exit codes that
+    are not 0, keyed by position counted from 1 (for launched ranks: their local rank)."""
+    deadline = time.monotonic() + timeout_seconds
+    failed = {}
+    for number, process in enumerate(processes, start=1):
+        try:
+            code = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+        if code != 0:
+            failed[number] = code
+    return failed

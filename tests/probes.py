@@ -7,6 +7,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,14 @@ class WeightDigest(L.Callback):
             # master weights at lr 1e-6: about 2%; float32 ones: nearly all)
             "policy_changed_fraction": changed / total if total else None,
         }
+        if trainer.global_rank != 0:
+            # Written only after rank 0's and a moment later, so that a test reading every rank's
+            # digest as soon as `rlver fit` returns checks that it returned after all its ranks.
+            first = self.out_dir / "digest_rank0.json"
+            deadline = time.monotonic() + 120
+            while not first.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)
         path = self.out_dir / f"digest_rank{trainer.global_rank}.json"
         path.write_text(json.dumps(record, sort_keys=True))
 

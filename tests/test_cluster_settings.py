@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
@@ -10,7 +12,7 @@ from rlver_plugins.sage_user.client import EndpointSettings
 from rlver_plugins.vllm_engine.engine import check_engine_device, engine_options
 
 from rlver.data.profiles import ProfileError, load_profiles
-from rlver.trainer import launcher_global_rank, widen_collective_timeout
+from rlver.trainer import launcher_global_rank, wait_for_processes, widen_collective_timeout
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,16 @@ def test_only_the_jobs_first_process_counts_as_rank_zero(env, rank):
     assert (launcher_global_rank(env) == 0) == (rank == 0)
     if "RANK" in env or "SLURM_PROCID" in env:
         assert launcher_global_rank(env) == rank
+
+
+def test_the_launching_rank_waits_for_every_rank_it_started_and_reports_the_failed_ones():
+    """Lightning's launcher leaves its child ranks running when rank 0 returns."""
+    done = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    assert wait_for_processes([done, failed, hung], timeout_seconds=5) == {2: 3, 3: -9}
+    assert done.returncode == 0 and hung.returncode == -9  # waited for; the hung one killed
+    assert wait_for_processes([], timeout_seconds=0) == {}
 
 
 def test_the_paper_recipes_dead_endpoint_is_given_up_on_before_the_collectives_time_out():
