@@ -39,18 +39,12 @@ quickstart: setup
 # stay on one worker (--dist loadfile), so a module fixture (a vLLM server, the engines) is built
 # once. The 25 slowest tests are printed at the end.
 TEST_WORKERS ?= 3
-# Memory in transparent huge pages where the kernel offers them on request (THP "madvise"; no
-# effect under "never"): the suite's ~110 launched processes each load models and engines, and
-# faulting their memory in 4 KiB pages cost minutes of kernel time. glibc's malloc and torch's CPU
-# allocator each ask for huge pages with these (2026-12-03, three test files on 3 workers: minor
-# page faults 23.3 -> 5.2 million, kernel CPU 144 -> 115 s, wall 246 -> 225 s).
-TEST_ENV ?= GLIBC_TUNABLES=glibc.malloc.hugetlb=1 THP_MEM_ALLOC_ENABLE=1
 test: setup
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # Unit and contract tests only (no model loading).
 test-fast: setup
-	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 # Build the wheel, install it into a scratch venv, import every module from it (also a slow test).
 wheel-check: setup
