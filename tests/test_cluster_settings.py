@@ -89,6 +89,7 @@ def test_cuda_graphs_are_on_by_default_on_gpus_and_off_on_cpus():
     assert gpu["enforce_eager"] is False and gpu["enable_sleep_mode"] is True
     assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
     assert "gpu_memory_utilization" not in cpu
+    assert gpu["skip_tokenizer_init"] is cpu["skip_tokenizer_init"] is True  # ids in, ids out
     assert engine_options("m", cuda=True, enforce_eager=True, **common)["enforce_eager"] is True
 
 

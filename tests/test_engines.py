@@ -128,6 +128,19 @@ def test_empty_prompt_is_rejected(engine):
 
 
 # --------------------------------------------------------------------------- engine-specific
+def test_the_cpu_vllm_engine_compiles_nothing(vllm_engine, prompts):
+    """Eager on CPU means eager throughout: vLLM's sampler would torch.compile its rank count with
+    inductor in every process (about 2.8 s), and again when the batch size first changes."""
+    from torch._dynamo import eval_frame
+    from torch._dynamo.utils import counters
+
+    for batch in (1, 3):  # two batch sizes: the second would have recompiled with dynamic shapes
+        generations = vllm_engine.generate(prompts[:batch], SamplingSettings(max_new_tokens=4, seed=batch))
+        assert all(len(g.logprobs) == len(g.token_ids) > 0 for g in generations)
+    assert sum(counters["frames"].values()) == 0, dict(counters["frames"])
+    assert eval_frame._stance.stance == "default"  # the rest of the process compiles as it asks
+
+
 def test_vllm_weight_sync_follows_the_policy(vllm_engine, policy, prompts):
     """Change the policy's weights, sync, and the engine samples from the changed policy."""
     greedy = SamplingSettings(max_new_tokens=12, temperature=0)

