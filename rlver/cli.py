@@ -262,11 +262,19 @@ def plan_command(argv: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------- fit / validate / test
-def _lightning_cli_class() -> type:
+def _lightning_cli_class(command: str | None = None) -> type:
+    """rlver's LightningCLI; with `command` ("fit", "validate", "test") the parser knows that one."""
     from lightning.pytorch.cli import LightningCLI
 
     class RLVERCLI(LightningCLI):
         """LightningCLI over RLVERModule and ProfileDataModule with rlver's defaults."""
+
+        @staticmethod
+        def subcommands() -> dict[str, set[str]]:
+            # Lightning builds a full parser per trainer method (fit, validate, test, predict) at
+            # every start, ~0.2 s each, though a launch runs one (and rlver never runs predict).
+            every = LightningCLI.subcommands()
+            return {command: every[command]} if command in every else every
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.num_sanity_val_steps": 0, "trainer.max_steps": 1000})
@@ -322,7 +330,7 @@ def lightning_command(argv: Sequence[str]) -> int:
     check_config_files(argv)
     from rlver.trainer import Trainer
 
-    cli = _lightning_cli_class()(
+    cli = _lightning_cli_class(argv[0])(
         RLVERModule,
         ProfileDataModule,
         trainer_class=Trainer,

@@ -44,6 +44,19 @@ def test_rollout_help_lists_the_options(rlver):
         assert flag in out
 
 
+@pytest.mark.parametrize("command", ["fit", "validate", "test"])
+def test_a_trainer_commands_help_is_its_own(rlver, command):
+    """Each launch builds the parser of its own trainer command only (not all four of Lightning's)."""
+    status, out, _ = rlver(command, "--help")
+    assert status == 0
+    assert "--model.simulator" in out and "--trainer.max_steps" in out and "--data.batch_size" in out
+    assert "--ckpt_path" in out
+    from rlver.cli import _lightning_cli_class
+
+    assert list(_lightning_cli_class(command).subcommands()) == [command]
+    assert list(_lightning_cli_class().subcommands()) == ["fit", "validate", "test", "predict"]
+
+
 def test_unknown_simulator_is_one_clear_error(tmp_path):
     result = run_cli(
         "rollout",
