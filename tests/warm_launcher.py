@@ -6,7 +6,8 @@ a third of its CPU time. Each xdist worker keeps one warm process (tests/warm_pr
 as `python -m tests.warm_process`) that imports `rlver.cli` once and forks a child per launch.
 The child is a separate process with its own memory, working directory, environment, argv,
 stdout/stderr files and exit status, and it runs `rlver.cli.main()` exactly as the console
-script does; only the imports are inherited. Launches whose outcome could depend on import-time
+script does; only the imports (and the embedded user's encoder, built as a run builds it) are
+inherited. Launches whose outcome could depend on import-time
 state go to a fresh interpreter instead (`needs_fresh_process`): an environment that differs
 from the warm process's in anything but run-time variables, a PYTHONPATH folder holding a module
 the warm process imported, or `--verbose` (its logging is set at import).

