@@ -34,7 +34,8 @@ TOLERANCE = {"hf": 1e-4, "vllm": 1e-3}
 def vllm_engine(policy):
     from rlver_plugins.vllm_engine import VLLMEngine
 
-    return VLLMEngine(policy, dtype="float32", cpu_kv_cache_gib=1)
+    # 0.5 GiB holds one 8192-token SmolLM2 sequence in float32 (377 MB) and these tests' prompts.
+    return VLLMEngine(policy, dtype="float32", cpu_kv_cache_gib=0.5)
 
 
 @pytest.fixture(params=["hf", "vllm"])
@@ -179,6 +180,16 @@ def test_bad_engine_options(policy):
         HFEngine(policy, batch_size=0)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization \(1.5\) must be within"):
         VLLMEngine(policy, gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=r"cpu_kv_cache_gib \(0\) must be > 0"):
+        VLLMEngine(policy, cpu_kv_cache_gib=0)
+
+
+def test_the_cpu_kv_cache_is_the_size_asked_for(vllm_engine):
+    """On CPU each start writes its whole KV cache: a fraction of a GiB must be honoured."""
+    core = vllm_engine.llm.llm_engine.engine_core.engine_core
+    caches = core.model_executor.driver_worker.worker.model_runner.kv_caches
+    allocated = sum(cache.numel() * cache.element_size() for cache in caches)
+    assert 0.99 * 2**29 < allocated <= 2**29  # whole blocks of 0.5 GiB (the default would be 2 GiB)
 
 
 # --------------------------------------------------------------------------- the model's generation_config
@@ -213,7 +224,7 @@ def picky_policy(policy, tmp_path_factory):
 def picky_vllm_engine(picky_policy):
     from rlver_plugins.vllm_engine import VLLMEngine
 
-    return VLLMEngine(picky_policy, dtype="float32", cpu_kv_cache_gib=1)
+    return VLLMEngine(picky_policy, dtype="float32", cpu_kv_cache_gib=0.5)
 
 
 @pytest.fixture(params=["hf", "vllm"])

@@ -102,7 +102,7 @@ def test_grpo_fit_with_vllm_two_steps_then_resume_from_last(tmp_path):
     trainer's; then rollouts from the checkpoint with both engines, and export.
 
     (One run serves what were two tests of the same shape: this and the vLLM-follows check.)"""
-    engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 1}"
+    engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 0.5}"
     config, root = write_config(tmp_path, "grpo", max_steps=2, engine=engine, precision="32-true")
     fit(config)
     scalars = read_scalars(root / "tb")
@@ -149,7 +149,7 @@ def test_grpo_fit_with_vllm_two_steps_then_resume_from_last(tmp_path):
     (evaluated,) = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert evaluated["model"].endswith(f"@{last}")
     # vLLM keeps its own copy of the weights: it must talk with the checkpoint's policy too.
-    vllm_engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 1}"
+    vllm_engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 0.5}"
     result = run_cli(*evaluate, "--out", tmp_path / "v.jsonl", "--model.engine", vllm_engine)
     assert result.returncode == 0, result.stderr[-2000:]
     (with_vllm,) = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]

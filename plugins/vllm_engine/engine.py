@@ -54,7 +54,9 @@ class VLLMEngine(RolloutEngine):
             graphs decode long thinking turns about 2x faster, and stay valid across weight syncs
             (the reload copies into the same storages).
         max_model_len: Longest prompt + reply the engine accepts (None: the model's).
-        cpu_kv_cache_gib: KV cache size on CPU machines (sets VLLM_CPU_KVCACHE_SPACE).
+        cpu_kv_cache_gib: KV cache size on CPU machines, in GiB (fractions allowed; vLLM's own
+            VLLM_CPU_KVCACHE_SPACE, when set, takes precedence). On CPU every start writes the
+            whole cache once (about 1 s per GiB on 2 cores): size it to the dialogues in flight.
         sleep_between_rollouts: Free the engine's GPU memory while training runs (sleep / wake).
         sync_every_step: Push the policy's weights into the engine before every rollout.
         own_thread: Keep vLLM on a thread of its own, so that other threads may use it (vLLM
@@ -72,7 +74,7 @@ class VLLMEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         enforce_eager: bool | None = None,
         max_model_len: int | None = None,
-        cpu_kv_cache_gib: int = 2,
+        cpu_kv_cache_gib: float = 2,
         sleep_between_rollouts: bool = False,
         sync_every_step: bool = True,
         own_thread: bool = False,
@@ -83,14 +85,13 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) must be >= 1")
         if dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype ({dtype!r}) must be auto, bfloat16, float16 or float32")
-        if cpu_kv_cache_gib < 1:
-            raise ValueError(f"cpu_kv_cache_gib ({cpu_kv_cache_gib}) must be >= 1")
+        if not cpu_kv_cache_gib > 0:
+            raise ValueError(f"cpu_kv_cache_gib ({cpu_kv_cache_gib}) must be > 0")
         self.policy = policy
         self.stop_ids = policy.stop_token_ids
         self.sync_every_step = sync_every_step
         self.tensor_parallel_size = tensor_parallel_size
         self.sleep_between_rollouts = sleep_between_rollouts and torch.cuda.is_available()
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
         vllm = _import_vllm()
         # bfloat16 only where it is native: emulated bf16 on a CPU without it is 10-400x slower.
         engine_dtype, reason = resolve_dtype(dtype, "cuda" if torch.cuda.is_available() else "cpu")
@@ -107,6 +108,7 @@ class VLLMEngine(RolloutEngine):
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             sleep=self.sleep_between_rollouts,
+            cpu_kv_cache_bytes=int(cpu_kv_cache_gib * 2**30),
         )
         options.update(_per_rank_options(tensor_parallel_size))
         # On CPU the engine runs eager, yet vLLM's sampler still torch.compiles the one-line count
@@ -246,6 +248,7 @@ def engine_options(
     gpu_memory_utilization: float,
     tensor_parallel_size: int,
     sleep: bool,
+    cpu_kv_cache_bytes: int = 2 * 2**30,
 ) -> dict[str, Any]:
     """The `vllm.LLM` arguments for one engine on a CUDA device or on the CPU."""
     options: dict[str, Any] = {
@@ -275,6 +278,9 @@ def engine_options(
         # vLLM's CPU runner cannot rewind a seeded CPU generator after a partial (chunked)
         # prefill ("CPU Generator does not use offset"), so prompts are prefilled whole.
         options["enable_chunked_prefill"] = False
+        # An engine option, not VLLM_CPU_KVCACHE_SPACE: that variable is whole GiB only, and set
+        # in this process it would also size every later engine here, whatever they were given.
+        options["kv_cache_memory_bytes"] = cpu_kv_cache_bytes
     return options
 
 
