@@ -531,9 +531,9 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
             base_url: {vllm_user_endpoint}
             model: smollm2-user
             language: en
-            max_tokens: {96 if response_format == "text" else 400}
+            max_tokens: {64 if response_format == "text" else 400}
             response_format: {response_format}
-            field_max_chars: {120 if response_format == "text" else 48}
+            field_max_chars: {120 if response_format == "text" else 24}
             timeout: 1800  # a hang guard, not a speed requirement
             max_retries: 1
             max_reasks: 1
@@ -634,6 +634,12 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
     call kind (opening, plan, reply) is in it. A second user and a second turn only repeated
     them with a longer history; SAGE's own code playing several users over several turns is
     checked against recorded answers (test_sentient.py, test_official_protocols.py)."""
+    from rlver.data.profiles import resolve_profile_path
+
+    # The benchmark's user whose profile is shortest: its ~5k-token prompts are the cost of this test.
+    rows = resolve_profile_path("builtin:sentient_test").read_text(encoding="utf-8").splitlines()
+    users = tmp_path / "shortest_user.jsonl"
+    users.write_text(min(rows, key=len) + "\n", encoding="utf-8")
     root = tmp_path / "run"
     config = tmp_path / "official.yaml"
     config.write_text(
@@ -655,7 +661,7 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
           prompt_format: nothink
           rollout: {{max_turns: 1, max_new_tokens: 24, max_context_tokens: 8192}}
         data:
-          test_files: [builtin:sentient_test]
+          test_files: [{users}]
           batch_size: 1
         """)
     )
