@@ -152,6 +152,35 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: tests keep their order
 
 
+# The environment once every test file is imported, before any test runs (`pytest_collection_finish`).
+_SESSION_ENVIRONMENT: dict[str, str] = {}
+
+
+def pytest_collection_finish(session):
+    _SESSION_ENVIRONMENT.update(os.environ)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _each_file_leaves_the_sessions_environment():
+    """Put back, after each test file, the environment the session's tests started with.
+
+    Imports in this process change it: vLLM's (by a test or a session fixture such as an
+    in-process engine) set TORCHINDUCTOR_COMPILE_THREADS, LD_PRELOAD and others. Carried into the
+    files after it, every `rlver` launch from those would see an environment the warm launcher was
+    not started in and start another one (~12 s of CPU; 5 times in a whole run). Modules already
+    imported here keep what they read; launches get the session's environment.
+    """
+    yield
+    if not _SESSION_ENVIRONMENT:
+        return
+    pytests_own = "PYTEST_CURRENT_TEST"  # set and removed by pytest around every phase
+    for name in [n for n in os.environ if n not in _SESSION_ENVIRONMENT and n != pytests_own]:
+        del os.environ[name]
+    for name, value in _SESSION_ENVIRONMENT.items():
+        if name != pytests_own and os.environ.get(name) != value:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def policy():
     """The real embedded SmolLM2 policy, loaded once per test session."""

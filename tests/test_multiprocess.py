@@ -84,7 +84,9 @@ def twin_config(
     if isinstance(model.get("engine"), dict) and model["engine"].get("name") == "vllm":
         # vLLM costs ~15 s a rank to start on CPU: the twins that check it keep it, in float32,
         # with a KV cache sized to the tiny model (64 MiB: 65k of its tokens; every start writes it all).
-        model["engine"] = {**model["engine"], "dtype": "float32", "cpu_kv_cache_gib": 0.0625} if vllm else "hf"
+        model["engine"] = (
+            {**model["engine"], "dtype": "float32", "cpu_kv_cache_gib": 0.0625} if vllm else "hf"
+        )
     simulator = model["simulator"] if isinstance(model["simulator"], dict) else {}
     if simulator.get("name") == "sage":
         model["simulator"] = {**simulator, "base_url": server_url, "timeout": 60}

@@ -5,6 +5,7 @@ sockets and injects faults on a schedule; the slow tests also start a real
 `vllm serve` with the embedded SmolLM2 as the user model.
 """
 
+import importlib.util
 import itertools
 import json
 import os
@@ -472,7 +473,8 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def vllm_user_endpoint(tmp_path_factory):
-    pytest.importorskip("vllm")
+    if importlib.util.find_spec("vllm") is None:  # not imported: vLLM's import changes the environment
+        pytest.skip("needs vLLM (`vllm serve`)")
     from rlver.models import resolve_model_path
     from rlver.precision import resolve_dtype
 
