@@ -393,7 +393,8 @@ def _files_containing(root, needle):
 
 
 @pytest.mark.slow
-def test_training_with_failing_user_completes_and_never_writes_the_key(tmp_path):
+def test_training_with_failing_user_completes_and_never_writes_the_key(tmp_path, tiny_model_dir):
+    """The tiny model trains (the faults and the files are the point; test_train.py trains SmolLM2)."""
     from tests.test_train import read_scalars
 
     train = tmp_path / "train.jsonl"
@@ -424,6 +425,7 @@ def test_training_with_failing_user_completes_and_never_writes_the_key(tmp_path)
                 - class_path: lightning.pytorch.callbacks.ModelCheckpoint
                   init_args: {{dirpath: {root}/checkpoints, save_last: true, save_top_k: 0}}
             model:
+              policy: {tiny_model_dir}
               engine: hf
               simulator:
                 name: sage
