@@ -30,7 +30,9 @@ def numbers(text, *names):
     return {name: float(re.search(rf"^{name}\s+([\d.]+)", text, re.MULTILINE).group(1)) for name in names}
 
 
-def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path, capsys):
+def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path, capsys, tiny_model_dir):
+    """The benchmark's protocol with the tiny model as the policy: 9 turns, 2 users (the mechanics
+    and the scores are the point, not what the policy says)."""
     recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval_own_prompts.yaml").read_text())
     root = tmp_path / "sentient"
     with ScriptedServer(Script()) as server:
@@ -39,7 +41,7 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
         )
         recipe["trainer"]["logger"]["init_args"]["save_dir"] = str(root)
         model = recipe["model"]
-        model.update(policy="smollm2-135m-instruct", dtype="float32", engine="hf")
+        model.update(policy=str(tiny_model_dir), dtype="float32", engine="hf")
         model["simulator"].update(
             base_url=server.url,
             model="scripted-user",
@@ -60,7 +62,7 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
     assert recipe["model"]["prompt_format"]["system_prompt"] == BENCHMARK_PROMPT
     printed = numbers(result.stdout, "Score", "Success", "Failure")
 
-    records_path = root / "sentient" / "smollm2-135m-instruct.jsonl"
+    records_path = root / "sentient" / f"{tiny_model_dir.name}.jsonl"  # named after the policy
     records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
     users = load_profiles("builtin:sentient_test")[:2]
     assert [r["id"] for r in records] == [u.id for u in users]
@@ -95,7 +97,7 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
 
     assert main(["score", str(records_path), "--plot", str(tmp_path / "plot.png")]) == 0
     scored = capsys.readouterr().out
-    row = next(line for line in scored.splitlines() if "smollm2-135m-instruct" in line)
+    row = next(line for line in scored.splitlines() if tiny_model_dir.name in line)
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     finals = [r["emo_point"] for r in records]
     assert printed == {
@@ -110,7 +112,7 @@ SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
 
 
 @pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
-def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path):
+def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path, tiny_model_dir):
     """`rlver test` on recipes/sentient_eval.yaml: SAGE's prompts reach the user model, SAGE's
     system prompt reaches the policy, and the records score as `rlver score` says."""
     recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval.yaml").read_text())
@@ -122,7 +124,7 @@ def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path):
         recipe["trainer"]["logger"]["init_args"]["save_dir"] = str(root)
         model = recipe["model"]
         assert model["simulator"]["name"] == "sage_official" and "system_prompt" not in model["prompt_format"]
-        model.update(policy="smollm2-135m-instruct", dtype="float32", engine="hf")
+        model.update(policy=str(tiny_model_dir), dtype="float32", engine="hf")
         model["simulator"].update(
             code=str(SAGE_PROTOCOL), base_url=server.url, model="scripted-user", api_key_env=None,
             cache_path=str(tmp_path / "c.sqlite"),
@@ -144,7 +146,7 @@ def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path):
     ]
     npc = (SAGE_PROTOCOL / "SAGE" / "npc_response.py").read_text(encoding="utf-8")
     assert all(t["system_prompt"] and t["system_prompt"] in npc for t in transcripts)
-    records_path = root / "sentient" / "smollm2-135m-instruct.jsonl"
+    records_path = root / "sentient" / f"{tiny_model_dir.name}.jsonl"  # named after the policy
     records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
     assert len(records) == 2
     for record in records:
