@@ -171,14 +171,12 @@ def _each_file_leaves_the_sessions_environment():
     imported here keep what they read; launches get the session's environment.
     """
     yield
-    if not _SESSION_ENVIRONMENT:
-        return
-    pytests_own = "PYTEST_CURRENT_TEST"  # set and removed by pytest around every phase
-    for name in [n for n in os.environ if n not in _SESSION_ENVIRONMENT and n != pytests_own]:
-        del os.environ[name]
-    for name, value in _SESSION_ENVIRONMENT.items():
-        if name != pytests_own and os.environ.get(name) != value:
-            os.environ[name] = value
+    if _SESSION_ENVIRONMENT:
+        current_test = os.environ.get("PYTEST_CURRENT_TEST")  # pytest's own, removed by it later
+        os.environ.clear()
+        os.environ.update(_SESSION_ENVIRONMENT)
+        if current_test is not None:
+            os.environ["PYTEST_CURRENT_TEST"] = current_test
 
 
 @pytest.fixture(scope="session")

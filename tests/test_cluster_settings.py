@@ -83,15 +83,16 @@ def test_cuda_graphs_are_on_by_default_on_gpus_and_off_on_cpus():
         gpu_memory_utilization=0.8,
         tensor_parallel_size=1,
         sleep=True,
+        cpu_kv_cache_bytes=2 * 2**30,
     )
     gpu = engine_options("m", cuda=True, enforce_eager=None, **common)
     cpu = engine_options("m", cuda=False, enforce_eager=None, **common)
     assert gpu["enforce_eager"] is False and gpu["enable_sleep_mode"] is True
     assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
     assert "gpu_memory_utilization" not in cpu
-    assert cpu["kv_cache_memory_bytes"] == 2 * 2**30  # the default; GPUs size theirs by a fraction
+    assert cpu["kv_cache_memory_bytes"] == 2 * 2**30  # as given; GPUs size theirs by a fraction
     assert "kv_cache_memory_bytes" not in gpu
-    quarter = engine_options("m", cuda=False, enforce_eager=None, cpu_kv_cache_bytes=2**28, **common)
+    quarter = engine_options("m", cuda=False, enforce_eager=None, **{**common, "cpu_kv_cache_bytes": 2**28})
     assert quarter["kv_cache_memory_bytes"] == 2**28
     assert gpu["skip_tokenizer_init"] is cpu["skip_tokenizer_init"] is True  # ids in, ids out
     assert engine_options("m", cuda=True, enforce_eager=True, **common)["enforce_eager"] is True

@@ -248,7 +248,7 @@ def engine_options(
     gpu_memory_utilization: float,
     tensor_parallel_size: int,
     sleep: bool,
-    cpu_kv_cache_bytes: int = 2 * 2**30,
+    cpu_kv_cache_bytes: int,
 ) -> dict[str, Any]:
     """The `vllm.LLM` arguments for one engine on a CUDA device or on the CPU."""
     options: dict[str, Any] = {
