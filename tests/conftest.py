@@ -232,7 +232,7 @@ def run_cli(*args, env=None, check=False):
     return result
 
 
-def make_tiny_model(folder):
+def make_tiny_model(folder, max_position_embeddings=4096):
     """A 2-layer Llama with the embedded model's tokenizer, chat template and generation config.
 
     Random weights, a few MB: multi-process and recipe tests exercise the machinery
@@ -252,7 +252,7 @@ def make_tiny_model(folder):
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=base.bos_token_id,
         eos_token_id=base.eos_token_id,
         pad_token_id=base.pad_token_id,

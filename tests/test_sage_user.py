@@ -2,7 +2,7 @@
 
 The scripted server (rlver_plugins.sage_user.scripted_server) answers over real
 sockets and injects faults on a schedule; the slow tests also start a real
-`vllm serve` with the embedded SmolLM2 as the user model.
+`vllm serve` whose user model is a 2-layer Llama with SmolLM2's tokenizer and chat template.
 """
 
 import importlib.util
@@ -26,7 +26,7 @@ from rlver_plugins.sage_user.simulator import says_goodbye
 
 from rlver.emotion import DIFFICULTIES
 from rlver.types import Profile
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, make_tiny_model, run_cli
 
 # A timeout no answer of the scripted server nears, however loaded the machine (its injected
 # "timeout" fault waits longer): a request lost to load would change the counts the tests check.
@@ -477,22 +477,30 @@ def _free_port():
 def vllm_user_endpoint(tmp_path_factory):
     if importlib.util.find_spec("vllm") is None:  # not imported: vLLM's import changes the environment
         pytest.skip("needs vLLM (`vllm serve`)")
-    from rlver.models import resolve_model_path
-    from rlver.precision import resolve_dtype
-
-    model_dir = resolve_model_path("smollm2-135m-instruct")
-    # bf16 only where it is native: emulated, it made each SAGE-sized request take minutes.
-    dtype, _ = resolve_dtype("auto", "cpu")
+    # The server, its structured outputs and SAGE's prompts are the real ones; the user model is
+    # sized for any CPU. SmolLM2 took 15-20 s to read each ~3-5k-token SAGE prompt here (2 cores
+    # with AVX-512), minutes on a slower CPU, and no check reads what a real model writes: its
+    # answers missed SAGE's text format as a random model's do, and structured outputs hold
+    # either to the JSON schema or SAGE's regex.
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("user-model"), max_position_embeddings=8192)
     port = _free_port()
     log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", "smollm2-user",
+        "--model", str(model_dir), "--served-model-name", "tiny-user",
         "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", "8192", "--dtype", dtype,  # SAGE's Chinese prompts: ~5k tokens
+        "--enforce-eager", "--max-model-len", "8192", "--dtype", "float32",  # SAGE's Chinese prompts: ~5k tokens
+        "--kv-cache-memory-bytes", str(64 * 2**20),  # 64k of its tokens (1 KiB each); every start writes it all
         "--no-enable-chunked-prefill",  # vLLM 0.32 CPU: seeded requests crash after a chunked prefill
+        # JSON as compact as a chat model writes it: the grammar's optional whitespace let a random
+        # model pad an answer with blanks up to max_tokens (cut off: not JSON).
+        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    # Two processes, not three: the engine's worker in its core process (`uni`), and that core
+    # beside the API server, each a fresh interpreter importing vLLM (~10 s of CPU each).
+    command += ["--distributed-executor-backend", "uni"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the size asked for
     with log_path.open("w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}/v1"
@@ -520,11 +528,10 @@ def vllm_user_endpoint(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("response_format", ["text", "json_schema"])
-def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
-    tmp_path, vllm_user_endpoint, response_format
-):
-    """SmolLM2 rarely follows SAGE's text format (the parse / re-ask / error path must hold);
-    with the server's structured outputs every answer is readable and the emotion really moves."""
+def test_dialogues_against_a_real_vllm_server(tmp_path, vllm_user_endpoint, response_format):
+    """The served model does not follow SAGE's text format (SmolLM2 rarely did either): the parse
+    / re-ask / error path must hold; with the server's structured outputs every answer is
+    readable and the emotion really moves."""
     config = tmp_path / "rollout.yaml"
     config.write_text(
         textwrap.dedent(f"""
@@ -533,7 +540,7 @@ def test_dialogues_against_a_real_vllm_server_with_smollm2_as_the_user(
           simulator:
             name: sage
             base_url: {vllm_user_endpoint}
-            model: smollm2-user
+            model: tiny-user
             language: en
             max_tokens: {64 if response_format == "text" else 400}
             response_format: {response_format}
@@ -630,11 +637,11 @@ SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
 @pytest.mark.slow
 @pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
 def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vllm_user_endpoint):
-    """`rlver test` with `sage_official`: SAGE's prompts to SmolLM2 behind `vllm serve`, 1 user x 1
-    turn; the server's structured outputs hold each answer to the format SAGE's parser reads.
+    """`rlver test` with `sage_official`: SAGE's prompts to the user model behind `vllm serve`, 1
+    user x 1 turn; the server's structured outputs hold each answer to the format SAGE's parser reads.
 
     Sized for any CPU: the request timeout is a hang guard (30 min), never a speed requirement;
-    the work is what it must be (SAGE's ~5k-token prompts), done for one user and one turn: every
+    the work is SAGE's ~3-5k-token prompts to a 2-layer model, for one user and one turn: every
     call kind (opening, plan, reply) is in it. A second user and a second turn only repeated
     them with a longer history; SAGE's own code playing several users over several turns is
     checked against recorded answers (test_sentient.py, test_official_protocols.py)."""
@@ -656,7 +663,7 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
             name: sage_official
             code: {SAGE_PROTOCOL}
             base_url: {vllm_user_endpoint}
-            model: smollm2-user
+            model: tiny-user
             structured: true
             field_max_chars: 24
             max_tokens: 400
