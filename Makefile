@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	# 130 -> 71 s without it, plus ~40 s here). Without .pyc files, and with PYTHONDONTWRITEBYTECODE set,
 	# each of the suite's ~150 processes would compile its ~5,000 imported modules again (+11 s each).
 	# A few third-party files are not Python 3 (as for pip, that is not an error). Trees that no
-	# rlver process imports are left to Python's compile-on-import ($(COMPILE_SKIP)): 16.6k of 24.5k
+	# rlver process imports (COMPILE_SKIP) are left to Python's compile-on-import: 16.6k of 24.5k
 	# files, 42 -> 31 s here; a process that does import one compiles just that module.
 	$(PY) -m compileall -q -j 0 -x '$(COMPILE_SKIP)' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 	touch $(STAMP)
