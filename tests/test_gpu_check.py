@@ -7,14 +7,16 @@ the tokenizer round-trips every id, the gaps are bucketed by position, failed ch
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, start_rlver
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -121,17 +123,54 @@ def test_bf16_masters_and_bf16_buffers_fail_the_check(tmp_path):
     assert "exit 1" in gpu_check.check_run(None, 1, 1.0, tmp_path / "fit.log")[1][0]
 
 
-@pytest.mark.slow
-def test_the_cpu_smoke_run_prints_one_row_per_shape_and_algorithm(tmp_path):
-    out = tmp_path / "gpu_check.md"
+def test_the_script_runs_as_a_program_and_refuses_cuda_without_it():
     result = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--smoke", "--out", str(out)],
+        [sys.executable, "benchmarks/gpu_check.py", "--device", "cuda", "--out", "/dev/null"],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "CUDA is not available" in result.stderr and "--device cpu --smoke" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_cpu_smoke_run_prints_one_row_per_shape_and_algorithm(tmp_path, monkeypatch):
+    """The script's main, its 4 two-rank `rlver fit` runs started through the suite's warm launcher
+    one at a time (as 8 fresh interpreters they cost ~60 s of CPU in imports alone)."""
+
+    def run_warm(cmd, log, timeout, smoke):
+        assert cmd[:3] == [sys.executable, "-m", "rlver.cli"], cmd
+        # The script's environment, less two variables read at import that would send each launch
+        # to a fresh interpreter: OpenMP threads stay the suite's, and HF_HUB_OFFLINE changes
+        # nothing here (the models are local folders; nothing is downloaded either way).
+        env = gpu_check.child_env(smoke)
+        for name in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE"):
+            env.pop(name)
+            if name in os.environ:
+                env[name] = os.environ[name]
+        started = time.perf_counter()
+        process = start_rlver(cmd[3:], cwd=log.parent, env=env, new_session=True)
+        output, _ = process.communicate(timeout=max(timeout, 1))
+        log.write_text(output)
+        return process.returncode, time.perf_counter() - started
+
+    monkeypatch.setattr(gpu_check, "run_logged", run_warm)
+    out = tmp_path / "gpu_check.md"
+    argv = [
+        "--device",
+        "cpu",
+        "--smoke",
+        "--jobs",
+        "1",
+        "--out",
+        str(out),
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
+    assert gpu_check.main(argv) == 0
     report = out.read_text()
     assert "SMOKE RUN on CPU" in report and "32-true" in report
     assert "vLLM check: skipped" in report
