@@ -207,15 +207,17 @@ def _warm_launcher():
     return _launcher
 
 
-def run_rlver(argv, *, cwd=REPO, env=None, timeout=1800, fresh=False):
+def run_rlver(argv, *, cwd=REPO, env=None, timeout=1800, fresh=False, file_size_limit=None):
     """`rlver <argv>` in a new process, as `subprocess.run(capture_output=True, text=True)`.
 
     Forked from this worker's warm launcher (tests/warm_launcher.py: the imports already made,
     about 7 s a launch saved) unless `fresh` or the launch could depend on import-time state.
-    The timeout only catches a hang (it raises subprocess.TimeoutExpired).
+    The timeout only catches a hang (it raises subprocess.TimeoutExpired). `file_size_limit`:
+    the process's RLIMIT_FSIZE in bytes (a full disk's failed writes).
     """
     env = os.environ if env is None else env
-    return _warm_launcher().run(argv, cwd=cwd, env=env, timeout=timeout, fresh=fresh)
+    launcher = _warm_launcher()
+    return launcher.run(argv, cwd=cwd, env=env, timeout=timeout, fresh=fresh, file_size_limit=file_size_limit)
 
 
 def start_rlver(argv, *, cwd, env, new_session=False, fresh=False):

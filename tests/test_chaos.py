@@ -16,8 +16,6 @@ import os
 import random
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 import yaml
 
 from rlver.checkpoint_io import read_checkpoint_state
-from tests.conftest import REPO
+from tests.conftest import REPO, run_rlver
 from tests.test_multiprocess import digests, launch, lay_out_data, read_scalars, twin_config
 
 pytestmark = pytest.mark.slow
@@ -169,8 +167,6 @@ def _scalar_steps(folder: Path, tag: str) -> list[int]:
 
 def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(tmp_path, tiny_model_dir):
     """The file size limit (RLIMIT_FSIZE) makes the next checkpoint write fail as a full disk does."""
-    import resource
-
     config = twin_config(RECIPE, tmp_path, tiny_model_dir, "", steps=4, devices=1)
     twin = yaml.safe_load(config.read_text())
     twin["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] = 2
@@ -182,21 +178,9 @@ def test_a_full_disk_while_checkpointing_leaves_the_previous_checkpoint_usable(t
     assert process.returncode == 0, output[-3000:]
     before = checkpoint.read_bytes()
     limit = len(before) // 2  # the checkpoint cannot be written; transcripts and events still can
-
-    def full_disk() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_CHAOS": ""}
-    result = subprocess.run(
-        [sys.executable, "-m", "rlver.cli", "fit", "--config", str(config), "--ckpt_path", "last"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        preexec_fn=full_disk,
-    )
+    argv = ["fit", "--config", config, "--ckpt_path", "last"]
+    result = run_rlver(argv, cwd=tmp_path, env=env, file_size_limit=limit)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("rlver fit: error:")]
     assert len(errors) == 1, result.stderr[-3000:]

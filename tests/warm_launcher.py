@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -148,10 +149,19 @@ class WarmLauncher:
         _log_launch(argv, why_fresh)
         return argv, env, why_fresh
 
-    def run(self, argv, *, cwd, env, timeout=None, fresh=False) -> subprocess.CompletedProcess:
-        """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter."""
+    def run(
+        self, argv, *, cwd, env, timeout=None, fresh=False, file_size_limit=None
+    ) -> subprocess.CompletedProcess:
+        """As `subprocess.run(capture_output=True, text=True)`; `fresh`: in a new interpreter;
+        `file_size_limit`: bytes, the process's RLIMIT_FSIZE (SIGXFSZ ignored: writes fail)."""
         argv, env, why_fresh = self._decide(argv, env, fresh)
         if why_fresh:
+
+            def limit_file_size() -> None:
+                if file_size_limit is not None:
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
             return subprocess.run(
                 _fresh_command(argv),
                 capture_output=True,
@@ -159,10 +169,11 @@ class WarmLauncher:
                 cwd=cwd,
                 env=env,
                 timeout=timeout,
+                preexec_fn=limit_file_size,
             )
         with tempfile.TemporaryDirectory(prefix="rlver-launch-") as folder:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
-            pid = self._fork(argv, cwd, env, out, err, new_session=False)
+            pid = self._fork(argv, cwd, env, out, err, new_session=False, file_size_limit=file_size_limit)
             returncode = self._wait(pid, argv, time.monotonic() + timeout if timeout else None)
             with open(out, errors="replace") as o, open(err, errors="replace") as e:
                 stdout, stderr = o.read(), e.read()
@@ -197,9 +208,10 @@ class WarmLauncher:
             self._readline(None)
             self.busy = False
 
-    def _fork(self, argv, cwd, env, stdout, stderr, *, new_session) -> int:
+    def _fork(self, argv, cwd, env, stdout, stderr, *, new_session, file_size_limit=None) -> int:
         self._end_left_behind()
         request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": stdout, "stderr": stderr}
+        request["file_size_limit"] = file_size_limit
         request["set_at_import"] = self.set_at_import
         self.process.stdin.write(json.dumps({**request, "new_session": new_session}) + "\n")
         self.process.stdin.flush()

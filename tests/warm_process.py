@@ -27,6 +27,11 @@ def _become(request: dict) -> None:
     """This forked process takes the requested working folder, environment, argv and output."""
     if request.get("new_session"):
         os.setsid()
+    if request.get("file_size_limit") is not None:  # as a full disk: a write past it fails (EFBIG)
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
