@@ -170,6 +170,7 @@ def test_the_cpu_smoke_run_prints_one_row_per_shape_and_algorithm(tmp_path, monk
         "--workdir",
         str(tmp_path / "work"),
     ]
+    argv += ["--budget", "3600", "--run-timeout", "1800"]  # hang guards, not speed requirements
     assert gpu_check.main(argv) == 0
     report = out.read_text()
     assert "SMOKE RUN on CPU" in report and "32-true" in report
