@@ -495,10 +495,10 @@ def vllm_user_endpoint(tmp_path_factory):
         # JSON as compact as a chat model writes it: the grammar's optional whitespace let a random
         # model pad an answer with blanks up to max_tokens (cut off: not JSON).
         "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+        # Two processes, not three: the engine's worker in its core process (`uni`), and that core
+        # beside the API server (below), each a fresh interpreter importing vLLM (~10 s of CPU each).
+        "--distributed-executor-backend", "uni",
     ]  # fmt: skip
-    # Two processes, not three: the engine's worker in its core process (`uni`), and that core
-    # beside the API server, each a fresh interpreter importing vLLM (~10 s of CPU each).
-    command += ["--distributed-executor-backend", "uni"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the size asked for
     with log_path.open("w") as log:

@@ -67,6 +67,13 @@ def _top_level_names(folders: list[str]) -> set[str]:
     return names
 
 
+def limit_file_size(limit: int | None) -> None:
+    """In a launched process: writes past `limit` bytes fail (EFBIG), as on a full disk."""
+    if limit is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the signal would kill the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
 def _fresh_command(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "rlver.cli", *argv]
 
@@ -156,12 +163,6 @@ class WarmLauncher:
         `file_size_limit`: bytes, the process's RLIMIT_FSIZE (SIGXFSZ ignored: writes fail)."""
         argv, env, why_fresh = self._decide(argv, env, fresh)
         if why_fresh:
-
-            def limit_file_size() -> None:
-                if file_size_limit is not None:
-                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-
             return subprocess.run(
                 _fresh_command(argv),
                 capture_output=True,
@@ -169,7 +170,7 @@ class WarmLauncher:
                 cwd=cwd,
                 env=env,
                 timeout=timeout,
-                preexec_fn=limit_file_size,
+                preexec_fn=lambda: limit_file_size(file_size_limit),
             )
         with tempfile.TemporaryDirectory(prefix="rlver-launch-") as folder:
             out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")

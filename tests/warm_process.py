@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from tests.warm_launcher import _fresh_command, _import_time_differences, _log_launch
+from tests.warm_launcher import _fresh_command, _import_time_differences, _log_launch, limit_file_size
 
 # --------------------------------------------------------------------------- the warm process
 # Set by Lightning in rank 0 for the ranks it starts, read by them at run time.
@@ -27,11 +27,7 @@ def _become(request: dict) -> None:
     """This forked process takes the requested working folder, environment, argv and output."""
     if request.get("new_session"):
         os.setsid()
-    if request.get("file_size_limit") is not None:  # as a full disk: a write past it fails (EFBIG)
-        import resource
-
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (request["file_size_limit"],) * 2)
+    limit_file_size(request.get("file_size_limit"))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
