@@ -22,6 +22,7 @@ quiet_libraries()  # before torch loads (below): its C++ warnings read their lev
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
 from rlver import __version__  # noqa: E402
+from rlver.allocator import keep_freed_memory  # noqa: E402
 from rlver.checkpoint_io import CheckpointWriteError  # noqa: E402
 from rlver.data.datamodule import ProfileDataModule  # noqa: E402
 from rlver.interfaces import SimulatorUnavailable  # noqa: E402
@@ -55,11 +56,13 @@ def build_runner(model_cfg: Namespace, device: str, ckpt: str | None = None) -> 
 
 
 def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
+    if device == "auto":
+        import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        keep_freed_memory()  # as `rlver fit` on CPU (rlver.allocator)
+    return device
 
 
 # --------------------------------------------------------------------------- rlver plugins

@@ -10,9 +10,11 @@ from datetime import timedelta
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from rlver.allocator import keep_freed_memory
 from rlver.checkpoint_io import recover_checkpoints
 from rlver.console import is_verbose, note
 from rlver.precision import resolve_precision
@@ -58,6 +60,8 @@ class Trainer(L.Trainer):
         if kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs["callbacks"] = [StepProgress(), *callbacks]  # steps and reward, not an epoch's batches
         super().__init__(*args, precision=precision, **kwargs)
+        if isinstance(self.accelerator, CPUAccelerator):
+            keep_freed_memory()  # each step reuses the pages its tensors freed (rlver.allocator)
         for callback in self.callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = os.path.join(root, "checkpoints")

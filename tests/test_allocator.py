@@ -1,0 +1,83 @@
+"""rlver.allocator: a CPU run reuses the pages it freed instead of faulting them in again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or os.confstr("CS_GNU_LIBC_VERSION") is None, reason="glibc's malloc only"
+)
+
+# In a fresh interpreter (the settings are process-wide): the page faults of touching a 64 MiB block
+# again after freeing it (glibc's defaults: fresh mmap pages every time).
+SCRIPT = """
+import ctypes, json, resource
+from rlver import allocator
+
+applied = allocator.keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+size = 64 << 20
+faults = []
+for _ in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    libc.free(block)
+print(json.dumps({"applied": applied, "pages": size // resource.getpagesize(), "faults": faults}))
+"""
+
+
+def _run(**env: str) -> dict:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    environment.pop("RLVER_KEEP_FREED_MEMORY", None)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=REPO,
+        env={**environment, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_freed_memory_is_reused_instead_of_faulted_in_again():
+    kept = _run()
+    assert kept["applied"]
+    first, again = kept["faults"]
+    assert first >= kept["pages"] * 0.9  # the first touch faults every page in
+    assert again < kept["pages"] * 0.1  # the second finds them mapped: the freed block was reused
+
+
+@pytest.mark.parametrize(
+    "opt_out",
+    [
+        {"RLVER_KEEP_FREED_MEMORY": "0"},
+        {"MALLOC_TOP_PAD_": "0"},
+        {"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"},
+    ],
+)
+def test_the_user_can_say_no_or_tune_malloc_themselves(opt_out):
+    default = _run(**opt_out)
+    assert not default["applied"]
+    assert min(default["faults"]) >= default["pages"] * 0.9, default  # faulted in every time
+
+
+def test_a_cpu_trainer_keeps_freed_memory(monkeypatch):
+    from rlver import trainer
+
+    calls = []
+    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1))
+    trainer.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert calls == [1]
