@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 VERBOSE_ENV = "RLVER_VERBOSE"
@@ -41,7 +41,12 @@ _HARMLESS_WARNINGS = (
 def is_verbose() -> bool:
     if VERBOSE_FLAG in sys.argv[1:] and _invoked_as_rlver():  # before main() takes the flag out
         return True
-    return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return verbose_in(os.environ)
+
+
+def verbose_in(environment: Mapping[str, str]) -> bool:
+    """Whether RLVER_VERBOSE in `environment` asks for the libraries' own output."""
+    return environment.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _invoked_as_rlver() -> bool:
@@ -57,6 +62,17 @@ def take_verbose_flag(argv: list[str]) -> list[str]:
     return argv
 
 
+# What quiet_libraries sets where the user set nothing.
+QUIET_ENVIRONMENT = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # c10 notes such as vLLM's NUMA binding
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
 def quiet_libraries() -> None:
     """Silence library chatter unless verbose. Call before torch, vLLM or transformers load
     (rlver.cli does so on import): torch's C++ logging reads its level once, at load.
@@ -66,12 +82,8 @@ def quiet_libraries() -> None:
     """
     if is_verbose():
         return
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10 notes such as vLLM's NUMA binding
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     for name in _INFO_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     # vLLM sets its level from VLLM_LOGGING_LEVEL when its logger module loads; some of its

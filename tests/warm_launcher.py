@@ -101,7 +101,17 @@ class WarmLauncher:
         self.parked: dict | None = None  # the warm process of the environment before the last change
 
     def _start_env(self) -> dict[str, str]:
-        return {**os.environ, "PYTHONPATH": self.repo}
+        from rlver.console import QUIET_ENVIRONMENT, verbose_in
+
+        env = {**os.environ, "PYTHONPATH": self.repo}
+        if not verbose_in(env):
+            # What rlver's import sets where missing is left to the warm process's own import: it
+            # is then in set_at_import, and a launch with or without it matches the warm process
+            # as it would a fresh interpreter (a test of a user's fresh shell stays warm).
+            for name, value in QUIET_ENVIRONMENT.items():
+                if env.get(name) == value:
+                    del env[name]
+        return env
 
     def _start(self) -> bool:
         env = self._start_env()
