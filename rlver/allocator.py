@@ -7,7 +7,7 @@ and it trims the heap's top as soon as 128 KiB-64 MiB lie free there; so each st
 large tensors' pages in again, each one zeroed by the kernel. Measured 2026-12-03 (2 cores,
 SmolLM2-135M, 3 GRPO steps with the hf engine): 5.6 M minor page faults and 18.5 s of system
 time with glibc's defaults; 1.3 M and 8.7 s with the settings below; peak RSS 4.7 -> 5.1 GB.
-In the test suite: 232 -> 185 s of system time.
+In the test suite: 232 -> 183 s of system time.
 
 Only where the run computes on the CPU: on a GPU node the host's big allocations are rare and
 short-lived (a gathered state dict for a checkpoint), and keeping them would hold that memory for
