@@ -11,8 +11,8 @@ In the test suite: 232 -> 183 s of system time.
 
 Only where the run computes on the CPU: on a GPU node the host's big allocations are rare and
 short-lived (a gathered state dict for a checkpoint), and keeping them would hold that memory for
-the rest of the run. Nothing changes where the user tuned malloc already (MALLOC_*_ variables, GLIBC_TUNABLES)
-or sets RLVER_KEEP_FREED_MEMORY=0.
+the rest of the run. Nothing changes where the user tuned malloc already (MALLOC_*_ variables,
+GLIBC_TUNABLES) or sets RLVER_KEEP_FREED_MEMORY=0.
 """
 
 from __future__ import annotations

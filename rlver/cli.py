@@ -41,6 +41,8 @@ def build_runner(model_cfg: Namespace, device: str, ckpt: str | None = None) -> 
     """The module's components (cheap: a config error surfaces here, before the model loads) over a policy."""
     from rlver.models import load_policy
 
+    if device == "cpu":
+        keep_freed_memory()  # as `rlver fit` on CPU (rlver.allocator)
     options = plain_config(model_cfg)
     module = RLVERModule(**options)
     policy = load_policy(options["policy"], dtype=options["dtype"], device=device)
@@ -61,8 +63,6 @@ def _resolve_device(device: str) -> str:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        keep_freed_memory()  # as `rlver fit` on CPU (rlver.allocator)
     return device
 
 
