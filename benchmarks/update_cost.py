@@ -1,19 +1,23 @@
-"""The update's cost per trained token: the path rlver took before against today's, side by side.
+"""The update's cost per trained token: the paths rlver took before against today's, side by side.
 
 "before": a scoring pass over every sequence for the old log-probs, then the training pass, the
-language-model head at every position in both, its float32 log-softmax in one pass. "today": one
-optimizer step from the sampling policy takes the training pass's own log-probs (no scoring pass),
-the head runs only at the positions the loss reads, and the float32 maths over the vocabulary runs
-1,024 rows at a time, recomputed in the backward (rlver.batch.in_vocab_chunks). Both run
-`score_tokens` + `ppo_update` (GRPO, one epoch, one minibatch, micro-batches of 4 as the recipes)
-on the same synthetic batch, each path in its own process so its peak RSS is its own:
+language-model head at every position in both, its float32 log-softmax in one pass. "head-only":
+one optimizer step from the sampling policy takes the training pass's own log-probs (no scoring
+pass), the head runs only at the positions the loss reads, and the float32 maths over the
+vocabulary runs 1,024 rows at a time, recomputed in the backward (rlver.batch.in_vocab_chunks).
+"today": that, and the prompt a micro-batch's sequences share (a GRPO group's opening) runs once
+(rlver.shared_prefix). Each runs `score_tokens` + `ppo_update` (GRPO, one epoch, one minibatch,
+micro-batches of 4 as the recipes) on the same synthetic batch, each path in its own process so
+its peak RSS is its own:
 
-    .venv/bin/python benchmarks/update_cost.py                 # both shapes, both paths, a table
+    .venv/bin/python benchmarks/update_cost.py                 # both shapes, every path, a table
 
-Shapes: `quickstart` (the embedded SmolLM2-135M, 8 sequences of 300 tokens, 50 trained tokens
-each in two replies, bf16 autocast where native as `precision: auto`) and `long` (a scaled paper
-shape that fits a CPU: 1 tiny layer, Qwen2.5's 152,064-word vocabulary, 2 sequences of 4,096
-tokens with 500 trained tokens each). Printed per shape and path: seconds per update (median of
+Shapes: `quickstart` (the embedded SmolLM2-135M, 2 groups of 4 sequences of 300 tokens whose
+first 200 are the group's prompt, as a GRPO group's opening (the quickstart's is ~260 of ~390
+tokens), 50 trained tokens each in two replies after it, bf16 autocast where native as
+`precision: auto`) and `long` (a scaled paper shape that fits a CPU: 1 tiny layer, Qwen2.5's
+152,064-word vocabulary, 2 sequences of 4,096 tokens with 500 trained tokens each, one a
+micro-batch, so nothing to share). Printed per shape and path: seconds per update (median of
 `--repeats` after one warm-up), microseconds per trained token, the largest logits tensor the
 head produced (MB) and the process's peak RSS.
 """
@@ -36,9 +40,10 @@ from rlver.precision import resolve_precision
 from rlver.scoring import score_tokens
 
 SHAPES = {
-    "quickstart": {"sequences": 8, "length": 300, "trained": 50, "micro": 4},
-    "long": {"sequences": 2, "length": 4096, "trained": 500, "micro": 1},
+    "quickstart": {"sequences": 8, "length": 300, "trained": 50, "micro": 4, "group": 4, "prompt": 200},
+    "long": {"sequences": 2, "length": 4096, "trained": 500, "micro": 1, "group": 1, "prompt": 0},
 }
+PATHS = ("before", "head-only", "today")
 
 
 def build_model(shape: str) -> torch.nn.Module:
@@ -62,10 +67,13 @@ def build_batch(shape: str, vocab: int) -> RolloutBatch:
     count, length, trained = spec["sequences"], spec["length"], spec["trained"]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (count, length), generator=generator)
+    prompt, group = spec["prompt"], spec["group"]
+    for row in range(count):  # each group's rows open with its first row's prompt
+        ids[row, :prompt] = ids[row - row % group, :prompt]
     mask = torch.zeros_like(ids)
     half = trained // 2
     for row in range(count):  # two replies, at different places in different rows
-        first = length // 3 + 7 * row
+        first = max(length // 3, prompt) + 7 * row
         mask[row, first : first + half] = 1
         mask[row, length - trained + half - 3 * row : length - 3 * row] = 1
     return RolloutBatch(
@@ -94,7 +102,10 @@ def run_one(shape: str, path: str, repeats: int) -> dict:
             return fn(logits, *aligned, **options)
 
         rlver.batch.in_vocab_chunks = rlver.loss_positions.in_vocab_chunks = one_pass
-    settings = PPOSettings(micro_batch_size=SHAPES[shape]["micro"], head_at_loss_positions=not before)
+    settings = PPOSettings(
+        micro_batch_size=SHAPES[shape]["micro"], head_at_loss_positions=not before,
+        share_prompt_prefix=path == "today",
+    )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
     advantages = (
         torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.loss_mask
@@ -113,7 +124,7 @@ def run_one(shape: str, path: str, repeats: int) -> dict:
         with autocast:
             old, _, _ = score_tokens(
                 batch, model, micro_batch_size=settings.micro_batch_size, with_policy=before,
-                head_at_loss_positions=not before,
+                head_at_loss_positions=not before, share_prefix=settings.share_prompt_prefix,
             )  # fmt: skip
             ppo_update(
                 batch, old, None, advantages, None, None, policy_model=model, actor_optimizer=optimizer,
@@ -137,7 +148,7 @@ def run_one(shape: str, path: str, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES))
-    parser.add_argument("--path", choices=["before", "today"])
+    parser.add_argument("--path", choices=PATHS)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.shape and args.path:
@@ -145,7 +156,7 @@ def main() -> None:
         return
     rows = []
     for shape in [args.shape] if args.shape else list(SHAPES):
-        for path in ("before", "today"):
+        for path in PATHS:
             out = subprocess.run(
                 [sys.executable, __file__, "--shape", shape, "--path", path, "--repeats", str(args.repeats)],
                 capture_output=True, text=True, check=True,
@@ -161,11 +172,12 @@ def main() -> None:
             f"{row['us_per_token']:.0f} | {row['logits_mb']:.0f} | {row['peak_rss_gb']:.1f} |"
         )
     for shape in dict.fromkeys(row["shape"] for row in rows):
-        before, today = (
-            next(r for r in rows if r["shape"] == shape and r["path"] == p) for p in ("before", "today")
+        before, head_only, today = (
+            next(r for r in rows if r["shape"] == shape and r["path"] == p) for p in PATHS
         )
         print(
-            f"{shape}: {before['seconds'] / today['seconds']:.2f}x faster per trained token, "
+            f"{shape}: today {before['seconds'] / today['seconds']:.2f}x faster per trained token than "
+            f"before ({head_only['seconds'] / today['seconds']:.2f}x than head-only), "
             f"{before['logits_mb'] / max(today['logits_mb'], 1e-9):.1f}x smaller largest logits"
         )
 

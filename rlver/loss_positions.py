@@ -16,6 +16,7 @@ import inspect
 import torch
 
 from rlver.batch import in_vocab_chunks, target_logprobs, tempered
+from rlver.shared_prefix import causal_lm_logits
 
 
 def loss_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -54,20 +55,22 @@ def policy_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     head_at_loss_positions: bool = True,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(S, L) log-probs of each token given the ones before (exact where `mask` is 1; 0 at
     positions no row's loss reads), and with `with_entropy` the mean entropy over the loss's
     tokens (None otherwise). Uses logits / temperature, as the engines report.
 
     `head_at_loss_positions` False (or a model without `logits_to_keep`): every position's logits.
+    `share_prefix`: the rows' common prompt runs once (`rlver.shared_prefix`), where that is exact.
     """
     rows, width = input_ids.shape
     if not head_at_loss_positions or not accepts_logits_to_keep(model):
         positions = torch.arange(width - 1, device=input_ids.device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        logits = causal_lm_logits(model, input_ids, attention_mask, None)[:, :-1]
     else:
         positions = loss_positions(mask)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=positions).logits
+        logits = causal_lm_logits(model, input_ids, attention_mask, positions, share_prefix)
     targets = input_ids[:, positions + 1]
     if with_entropy:  # both from one pass over each chunk: one gradient of the logits, not two
         both = in_vocab_chunks(_logprobs_and_entropy, logits, targets, dim=1, temperature=temperature)

@@ -354,6 +354,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             reduce_max=self._reduce_max,
             with_policy=with_policy,
             head_at_loss_positions=self.ppo.head_at_loss_positions,
+            share_prefix=self.ppo.share_prompt_prefix,
         )
 
     def _update(

@@ -50,6 +50,8 @@ class PPOSettings:
         kl_mode: in-loss (a loss term) or in-reward (subtracted from token rewards).
         head_at_loss_positions: Evaluate the language-model head only at the positions the loss
             reads (False: at every position, as rlver did before; kept for comparison).
+        share_prompt_prefix: Run the prompt that a micro-batch's sequences share (a GRPO group's
+            opening) once, not once per sequence (rlver.shared_prefix; False: as before).
     """
 
     ppo_epochs: int = 1
@@ -64,6 +66,7 @@ class PPOSettings:
     kl_estimator: str = "k3"
     kl_mode: str = "in-loss"
     head_at_loss_positions: bool = True
+    share_prompt_prefix: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -153,7 +156,8 @@ def ppo_update(
     steps and of backward passes, padding with empty micro-batches. Each micro-batch's loss is
     weighted by its share of the tokens (or sequences) of the whole step's minibatch, so the
     synchronised gradient equals that of one process holding every rank's dialogues. The
-    minibatch order is a shuffle seeded by `step`, fresh each epoch.
+    minibatch order is a shuffle seeded by `step`, fresh each epoch; within a minibatch the
+    sequences are sorted by their tokens, so the ones sharing a prompt share micro-batches.
 
     `old_logprobs` None: the update is one optimizer step from the policy that sampled (see
     `scoring.on_policy_update`), so the old log-probs are the training pass's own, detached: the
@@ -212,6 +216,8 @@ def ppo_update(
         actor_optimizer.zero_grad()
         if critic_optimizer is not None:
             critic_optimizer.zero_grad()
+        if settings.share_prompt_prefix:  # sequences with a common prompt side by side
+            rows = sorted(rows, key=lambda row: batch.input_ids[row].tolist())
         micro = list(micro_batches(rows, settings.micro_batch_size))
         micro += [[]] * (micro_steps - len(micro))
         for index, rows_here in enumerate(micro):
@@ -307,7 +313,7 @@ def actor_loss(
     """
     logprobs, entropy = policy_logprobs(
         policy_model, input_ids, attention_mask, mask, temperature, with_entropy=True,
-        head_at_loss_positions=settings.head_at_loss_positions,
+        head_at_loss_positions=settings.head_at_loss_positions, share_prefix=settings.share_prompt_prefix,
     )  # fmt: skip
     if old_logprobs is None:
         old_logprobs = logprobs.detach()

@@ -140,14 +140,16 @@ def score_tokens(
     reduce_max: Callable[[float], float] = lambda value: value,
     with_policy: bool = True,
     head_at_loss_positions: bool = True,
+    share_prefix: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(S, L) old log-probs (the policy now), reference log-probs and old values, 0 off the loss mask.
 
     `with_policy` False leaves the policy's own pass out (old log-probs None): the update is
     on-policy and computes them itself.
 
-    In micro-batches, with dropout off. The reference is `reference`, or with
-    `adapter_off_reference` the policy with its LoRA adapter switched off (None: neither).
+    In micro-batches, with dropout off, a micro-batch's common prompt run once (`share_prefix`).
+    The reference is `reference`, or with `adapter_off_reference` the policy with its LoRA adapter
+    switched off (None: neither).
     Under FSDP every forward is a collective: ranks run as many as the fullest rank
     (`reduce_max`), padding with a repeat of sequence 0 whose outputs are dropped.
     """
@@ -163,7 +165,7 @@ def score_tokens(
                 if value_model is not None:
                     value_model(ids, attention)
                 continue
-            scored = (ids, attention, loss, temperature, False, head_at_loss_positions)
+            scored = (ids, attention, loss, temperature, False, head_at_loss_positions, share_prefix)
             if with_policy:
                 old.append(policy_logprobs(policy_model, *scored)[0])
             if reference is not None:

@@ -221,6 +221,7 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
     with gathered_for_generation(sharded), _count_collectives() as counts:
         result["generated"] = _generate(generator, GENERATE_LENGTHS[rank])
     result["generation_collectives"] = counts[0]
+    result["shared_prompt"] = _shared_prompt_passes(sharded, rank)
     # one clipped update with this rank's data
     optimizer = torch.optim.SGD(sharded.parameters(), lr=LR)
     loss = sharded(input_ids=_batch(rank), labels=_batch(rank)).loss
@@ -230,6 +231,34 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
     optimizer.step()
     result["after_state"] = full_state_dict(sharded)
     return result
+
+
+def _shared_prompt_passes(model: Any, rank: int) -> dict[bool, Any]:
+    """The log-probs and global gradient norm of 3 sequences with a common 40-token prompt, the
+    prompt run once (rlver.shared_prefix) and not, through the wrapper; the batch sizes the
+    embedding saw. Gradients are dropped after (the update that follows starts from none)."""
+    from rlver.loss_positions import policy_logprobs
+
+    ids = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(200 + rank))
+    ids[:, :40] = ids[0, :40]
+    mask = torch.zeros_like(ids)
+    mask[:, 41:] = 1
+    embedding = next(m for name, m in model.named_modules() if name.endswith("embed_tokens"))
+    passes = {}
+    for share in (False, True):
+        shapes: list[tuple[int, ...]] = []
+        hook = embedding.register_forward_hook(
+            lambda m, args, out, seen=shapes: seen.append(tuple(args[0].shape))
+        )
+        with torch.no_grad():
+            scored, _ = policy_logprobs(model, ids, torch.ones_like(ids), mask, share_prefix=share)
+        logprobs, _ = policy_logprobs(model, ids, torch.ones_like(ids), mask, share_prefix=share)
+        (-(logprobs * mask).sum()).backward()
+        hook.remove()
+        passes[share] = (scored, logprobs.detach(), clip_grad_norm(model, float("inf")), shapes)
+        for parameter in model.parameters():
+            parameter.grad = None
+    return passes
 
 
 def _mixed_precision_worker(rank: int) -> dict[str, Any]:
@@ -451,6 +480,27 @@ def sharded_results(tmp_path_factory):
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_sharded_gather_sync_generation_and_clipping(flavor, sharded_results):
     _check_sharded_results([result[flavor] for result in sharded_results], sharded=flavor != "ddp")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_shared_prompt_runs_once_under_every_wrapper(flavor, sharded_results):
+    """DDP takes the two forward calls of a shared prompt (the prompt alone, then the rows on its
+    cache) before one backward; FSDP1 and FSDP2 take them without gradients (scoring) and run the
+    plain pass under autograd (the rows' gradient would reach the prompt's layers inside, past the
+    hooks that gather their weights). Log-probs and the global gradient norm equal the plain
+    pass's on each rank."""
+    two = [(1, 40), (3, 8)]
+    for rank, result in enumerate(sharded_results):
+        (plain_scored, plain, plain_norm, plain_shapes), (scored, shared, norm, shapes) = (
+            result[flavor]["shared_prompt"][share] for share in (False, True)
+        )
+        assert plain_shapes == [(3, 48), (3, 48)], rank
+        assert shapes == ([*two, *two] if flavor == "ddp" else [*two, (3, 48)]), rank
+        torch.testing.assert_close(scored, plain_scored, atol=1e-5, rtol=0)
+        torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
+        torch.testing.assert_close(scored, plain, atol=1e-5, rtol=0)
+        assert norm == pytest.approx(plain_norm, rel=1e-5), rank
 
 
 @pytest.mark.slow

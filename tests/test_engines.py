@@ -299,6 +299,36 @@ def test_prompt_seeds_make_a_sample_independent_of_its_neighbours(engine, policy
         engine.generate(prompts, replace(settings, prompt_seeds=(1, 2)))
 
 
+def test_hf_prefills_each_distinct_prompt_once(policy, prompts, monkeypatch):
+    """A GRPO group's members open with the same prompt: the hf engine prefills the distinct
+    prompts (3 of 6 here, left-padded to one width) and copies their cache to the rows; samples
+    and log-probs equal generate()'s own prefill of all six."""
+    import rlver_plugins.hf_engine.engine as hf_engine
+
+    group = [prompts[1]] * 3 + [prompts[0]] * 2 + [prompts[2]]
+    settings = SamplingSettings(max_new_tokens=12, temperature=1.0, prompt_seeds=(1, 2, 3, 4, 5, 6))
+    engine = HFEngine(policy, batch_size=8)
+    batches = []
+    hook = policy.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, output: batches.append(tuple(args[0].shape))
+    )
+    try:
+        shared = engine.generate(group, settings)
+        first = batches[:2]
+        batches.clear()
+        monkeypatch.setattr(hf_engine, "_prefill_distinct", lambda *args: None)
+        plain = engine.generate(group, settings)
+    finally:
+        hook.remove()
+    width = max(len(p) for p in group)
+    assert first == [(3, width - 1), (6, 1)]  # the distinct prompts but their last token, then the rows
+    assert batches[0] == (6, width)  # generate()'s own prefill: every row, every token
+    assert [g.token_ids for g in shared] == [g.token_ids for g in plain]
+    for mine, theirs in zip(shared, plain, strict=True):
+        gap = (torch.tensor(mine.logprobs) - torch.tensor(theirs.logprobs)).abs().max().item()
+        assert gap < TOLERANCE["hf"], gap
+
+
 def test_prompt_seeded_sampling_keeps_to_the_nucleus_and_records_its_logprobs(engine, policy, prompts):
     settings = SamplingSettings(max_new_tokens=20, temperature=0.7, top_p=0.8, prompt_seeds=(1, 2, 3, 4))
     for prompt, generation in zip(prompts, engine.generate(prompts, settings)):

@@ -102,24 +102,30 @@ def _networks(tmp_path, algorithm: str, lora: bool, kl: bool):
     return policy, reference, critic
 
 
-def _one_update(tmp_path, algorithm, lora, kl, scored: bool, head_at_loss_positions: bool = True):
+def _one_update(
+    tmp_path, algorithm, lora, kl, scored: bool, head_at_loss_positions: bool = True,
+    prompt: int = 0, share: bool = True,
+):  # fmt: skip
+    """One update on 5 sequences; with `prompt` > 0 they start with that many common tokens."""
     from rlver.scoring import logprob_metrics, score_tokens
 
     policy, reference, critic = _networks(tmp_path, algorithm, lora, kl)
     generator = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, 512, (5, 14), generator=generator)
+    ids = torch.randint(0, 512, (5, prompt + 14), generator=generator)
+    ids[:, :prompt] = ids[0, :prompt]
     mask = torch.ones_like(ids)
-    mask[:, :5] = 0
-    mask[1, 10:] = 0  # a reply that ended early
+    mask[:, : prompt + 5] = 0
+    mask[1, prompt + 10 :] = 0  # a reply that ended early
     batch = _batch(ids, mask)
     batch.engine_logprobs = -torch.rand(ids.shape, generator=generator) * mask
     settings = PPOSettings(
         micro_batch_size=2, kl_coef=0.1 if kl else 0.0, entropy_coef=0.01,
-        head_at_loss_positions=head_at_loss_positions,
+        head_at_loss_positions=head_at_loss_positions, share_prompt_prefix=share,
     )  # fmt: skip
     old, ref, values = score_tokens(
         batch, policy, micro_batch_size=2, value_model=critic, reference=reference,
         adapter_off_reference=lora and kl, with_policy=scored, head_at_loss_positions=head_at_loss_positions,
+        share_prefix=share,
     )  # fmt: skip
     advantages = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7)) * mask
     returns = None if critic is None else (values + advantages) * mask
@@ -180,6 +186,104 @@ def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(
     # it (within the tolerance above) moves the weight by a visible part of lr = 1e-3.
     for name in weights:
         torch.testing.assert_close(weights_b[name], weights[name], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scored", [True, False], ids=["scored", "on-policy"])
+@pytest.mark.parametrize("kl", [False, True], ids=["no-kl", "kl"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_prompt_the_sequences_share_run_once_gives_the_same_update(
+    tmp_path, monkeypatch, algorithm, lora, kl, scored
+):
+    """Five sequences opening with the same 40 tokens (a GRPO group's prompt): scoring's passes
+    (policy, reference, the adapter-off reference) and the update's run the prompt once per
+    micro-batch; log-probs, metrics, gradients and weights after the step equal the plain passes'."""
+    import rlver.shared_prefix
+
+    lengths = []
+    original = rlver.shared_prefix.causal_lm_logits
+
+    def counting(model, input_ids, *args, **kwargs):
+        calls = []
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: calls.append(a[0].shape))
+        try:
+            return original(model, input_ids, *args, **kwargs)
+        finally:
+            hook.remove()
+            lengths.append([tuple(shape) for shape in calls])
+
+    monkeypatch.setattr(rlver.loss_positions, "causal_lm_logits", counting)
+    plain = _one_update(tmp_path, algorithm, lora, kl, scored, prompt=40, share=False)
+    assert all(calls == [calls[0]] and calls[0][1] == 54 for calls in lengths), lengths  # whole rows
+    lengths.clear()
+    shared = _one_update(tmp_path, algorithm, lora, kl, scored, prompt=40, share=True)
+    # the update's sorted minibatch: micro-batches of 2, 2 and 1; a lone sequence runs whole
+    assert [(1, 40), (2, 14)] in lengths and [(1, 54)] in lengths, lengths
+    assert all(calls in ([(1, 40), (2, 14)], [(1, 54)]) for calls in lengths), lengths
+    metrics, gradients, weights, logprobs = plain
+    metrics_b, gradients_b, weights_b, logprobs_b = shared
+    torch.testing.assert_close(logprobs_b, logprobs, atol=1e-5, rtol=0)
+    assert metrics.keys() == metrics_b.keys()
+    for name, value in metrics.items():
+        assert metrics_b[name] == pytest.approx(value, abs=1e-5, rel=1e-4), name
+    assert gradients.keys() == gradients_b.keys() and gradients
+    for name in gradients:
+        torch.testing.assert_close(gradients_b[name], gradients[name], atol=1e-6, rtol=1e-4)
+    # AdamW's first step divides by |g| + 1e-8: where g is below ~1e-6, rounding noise in it
+    # moves the weight by a visible part of lr, so the weights are compared where g is not.
+    for name in weights:
+        clear = (
+            gradients[name].abs() > 1e-6 if name in gradients else torch.ones_like(weights[name], dtype=bool)
+        )
+        torch.testing.assert_close(weights_b[name][clear], weights[name][clear], atol=1e-5, rtol=1e-5)
+
+
+def test_a_shared_prompt_needs_a_plain_cache_no_checkpointing_and_enough_tokens():
+    """The cases the shared pass leaves to the plain one: too short a common prompt, a needed
+    logit inside it, gradient checkpointing in training (its layers drop the cache) and a model
+    whose cache is not plain full attention (found once, then remembered)."""
+    from rlver.shared_prefix import MIN_SHARED_TOKENS, causal_lm_logits, shared_prefix_length
+
+    ids = torch.randint(0, 512, (3, 60), generator=torch.Generator().manual_seed(8))
+    ids[:, :45] = ids[0, :45]
+    attention = torch.ones_like(ids)
+    attention[2, 50:] = 0
+    assert shared_prefix_length(ids, attention, 59) == 45
+    assert shared_prefix_length(ids, attention, 20) == 20  # the logit at 20 is needed
+    assert shared_prefix_length(ids[:1], attention[:1], 59) == 0  # one row shares with nobody
+    short = ids.clone()
+    short[1, MIN_SHARED_TOKENS - 1] += 1
+    assert shared_prefix_length(short, attention, 59) == MIN_SHARED_TOKENS - 1
+
+    def batches(model, input_ids, positions):
+        calls = []
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+        logits = causal_lm_logits(model, input_ids, attention, positions)
+        hook.remove()
+        return calls, logits
+
+    model = _tiny_llama()
+    positions = torch.arange(45, 59)
+    assert batches(model, ids, positions)[0] == [1, 3]
+    assert batches(model, short, positions)[0] == [3]
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert batches(model, ids, positions)[0] == [3]
+    model.eval()  # no checkpointing outside training: shared again
+    assert batches(model, ids, positions)[0] == [1, 3]
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, sliding_window=16,
+    )  # fmt: skip
+    windowed = MistralForCausalLM(config).eval()
+    calls, logits = batches(windowed, ids, positions)
+    assert calls == [1, 3]  # tried: its cache is a sliding window, so the plain pass ran
+    expected = windowed(input_ids=ids, attention_mask=attention, logits_to_keep=positions).logits
+    torch.testing.assert_close(logits, expected)
+    assert batches(windowed, ids, positions)[0] == [3]  # remembered
 
 
 def test_several_optimizer_steps_keep_the_scoring_pass():

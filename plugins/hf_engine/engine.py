@@ -10,12 +10,15 @@ token that was actually sampled. Memory stays O(batch x vocab).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
+from rlver.loss_positions import accepts_logits_to_keep
 from rlver.models import Policy
+from rlver.shared_prefix import plain_cache, sharable
 
 
 class _SampledLogprobRecorder(LogitsProcessor):
@@ -147,12 +150,17 @@ class HFEngine(RolloutEngine):
         model.eval()
         devices = [device.index or 0] if device.type == "cuda" else []
         try:
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            cache = {"past_key_values": _prefill_distinct(model, input_ids, attention_mask)}
+            if cache["past_key_values"] is None:
+                cache = {}
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
                 output = model.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
                     generation_config=config,
+                    **cache,
                     logits_processor=LogitsProcessorList(processors),
                     # Under FSDP generate() would sync ranks every token; the trainer gathers the
                     # weights for the rollout instead, so ranks generate independently.
@@ -172,3 +180,28 @@ class HFEngine(RolloutEngine):
                 end = position + 1
                 return Generation(tuple(ids[:end]), tuple(logprobs[:end].tolist()), "stop")
         return Generation(tuple(ids), tuple(logprobs.tolist()), "length")
+
+
+def _prefill_distinct(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+    """The KV cache of the left-padded prompts but their last token, each distinct prompt run
+    once: a GRPO group's members open with the same prompt, so a first turn's prefill shrinks by
+    the group size. None when every prompt differs or the model's cache cannot be shared
+    (`rlver.shared_prefix`); generate() then prefills as usual. Positions as generate() derives
+    them from the attention mask."""
+    rows, width = input_ids.shape
+    if width < 2 or not sharable(model):
+        return None
+    distinct, owner = torch.unique(torch.cat((input_ids, attention_mask), dim=1), dim=0, return_inverse=True)
+    if distinct.shape[0] == rows:
+        return None
+    ids, mask = distinct[:, : width - 1], distinct[:, width : 2 * width - 1]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    no_logits = {"logits_to_keep": torch.zeros(0, dtype=torch.long, device=ids.device)}
+    cache = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        **(no_logits if accepts_logits_to_keep(model) else {}),
+    ).past_key_values  # fmt: skip
+    if not plain_cache(model, cache):
+        return None
+    cache.batch_select_indices(owner)
+    return cache
