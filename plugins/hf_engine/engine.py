@@ -4,7 +4,8 @@ The engine samples from the very module being trained, so there is no weight
 sync. Log-probs are recorded during generation by a logits processor that sits
 before HF's temperature/top-p warpers: at step t it stores
 log_softmax(logits / T) and, one step later, reads off the log-prob of the
-token that was actually sampled. Memory stays O(batch x vocab).
+token that was actually sampled. Memory stays O(batch x vocab). Prompts that occur
+more than once in a call (a GRPO group's first turn) are prefilled once each.
 """
 
 from __future__ import annotations
