@@ -13,8 +13,8 @@ its peak RSS is its own:
     .venv/bin/python benchmarks/update_cost.py                 # both shapes, every path, a table
 
 Shapes: `quickstart` (the embedded SmolLM2-135M, 2 groups of 4 sequences of 300 tokens whose
-first 200 are the group's prompt, as a GRPO group's opening (the quickstart's is ~260 of ~390
-tokens), 50 trained tokens each in two replies after it, bf16 autocast where native as
+first 100 are the group's prompt, a third as in the quickstart's dialogues (61 of 179 tokens on
+average), 50 trained tokens each in two replies after it, bf16 autocast where native as
 `precision: auto`) and `long` (a scaled paper shape that fits a CPU: 1 tiny layer, Qwen2.5's
 152,064-word vocabulary, 2 sequences of 4,096 tokens with 500 trained tokens each, one a
 micro-batch, so nothing to share). Printed per shape and path: seconds per update (median of
@@ -40,7 +40,7 @@ from rlver.precision import resolve_precision
 from rlver.scoring import score_tokens
 
 SHAPES = {
-    "quickstart": {"sequences": 8, "length": 300, "trained": 50, "micro": 4, "group": 4, "prompt": 200},
+    "quickstart": {"sequences": 8, "length": 300, "trained": 50, "micro": 4, "group": 4, "prompt": 100},
     "long": {"sequences": 2, "length": 4096, "trained": 500, "micro": 1, "group": 1, "prompt": 0},
 }
 PATHS = ("before", "head-only", "today")

@@ -1,11 +1,12 @@
 """One forward pass over the prompt that every row of a micro-batch starts with.
 
 A GRPO group's dialogues share their persona's opening: the system prompt and the user's first
-message, about 260 of the quickstart's ~390 tokens a dialogue. Scoring and the update ran the
-model over that prompt once per row. Here the shared part runs once, as a batch of one, and its
-keys and values are repeated for every row before the rows' own tokens run on top of them; autograd
-sums the rows' gradients through the repetition, so the result is the same function of the
-weights as the plain pass (equal within float rounding: tests/test_shared_prefix.py).
+message, a third of a quickstart dialogue (61 of 179 tokens on average), more where the system
+prompt is long. Scoring and the update ran the model over that prompt once per row. Here the
+shared part runs once, as a batch of one, and its keys and values are repeated for every row
+before the rows' own tokens run on top of them; autograd sums the rows' gradients through the
+repetition, so the result is the same function of the weights as the plain pass (equal within
+float rounding: tests/test_ppo_update.py, and under DDP and FSDP: tests/test_distributed.py).
 
 It applies where it is exact and cheap to check: a model whose cache is Hugging Face's plain
 `DynamicCache` of full-attention layers (not sliding windows, linear attention or state-space
@@ -80,10 +81,8 @@ def causal_lm_logits(
     run once where that is exact (see the module's docstring)."""
     rows, width = input_ids.shape
     keep = {} if positions is None else {"logits_to_keep": positions}
-    first_needed = 0 if positions is None else int(positions[0])
-    length = shared_prefix_length(input_ids, attention_mask, min(first_needed, width - 1))
-    if not share_prefix:
-        length = 0
+    first_needed = 0 if positions is None else min(int(positions[0]), width - 1)
+    length = shared_prefix_length(input_ids, attention_mask, first_needed) if share_prefix else 0
     if length < MIN_SHARED_TOKENS or not sharable(model) or two_passes_unsafe(model):
         return _whole(model, input_ids, attention_mask, keep)
 
