@@ -27,6 +27,7 @@ from rlver.allocator import keep_freed_memory  # noqa: E402
 from rlver.checkpoint_io import CheckpointWriteError  # noqa: E402
 from rlver.data.datamodule import ProfileDataModule  # noqa: E402
 from rlver.interfaces import SimulatorUnavailable  # noqa: E402
+from rlver.intervals import PairedChange, mean_interval, paired_by_key, per_user_means  # noqa: E402
 from rlver.models import ModelError  # noqa: E402
 from rlver.module import RLVERModule  # noqa: E402
 from rlver.plugins import PluginError, get_registry, plain_config  # noqa: E402
@@ -93,6 +94,13 @@ def rollout_parser() -> ArgumentParser:
     )
     parser.add_argument("--limit", type=int, default=0, help="Only the first N profiles (0: all).")
     parser.add_argument("--repeat", type=int, default=1, help="Dialogues per profile (a group, as in GRPO).")
+    parser.add_argument(
+        "--compare",
+        type=str | None,
+        default=None,
+        help="Transcripts of an earlier `rlver rollout` with the same users (say, the untrained policy):"
+        " print the paired change of each user's mean final emotion, with its 95%% interval.",
+    )
     parser.add_argument("--device", type=str, default="auto", help="cpu, cuda, or auto.")
     parser.add_argument(
         "--batch_size", type=int, default=16, help="Dialogues run together (one engine call per turn)."
@@ -155,11 +163,34 @@ def rollout_command(argv: Sequence[str]) -> int:
     simulator_counts = runner.simulator.drain_metrics()
     runner.simulator.close()
     print(format_summary(summarize(trajectories), cfg.out))
+    scores = per_user_means([t.profile.id for t in trajectories], [t.final_emotion for t in trajectories])
+    interval = mean_interval(list(scores.values())).format()
+    print(f"{'per-user mean':<18}  {interval}  (95% interval over {len(scores)} users)")
+    if cfg.compare is not None:
+        print(f"{'change vs compare':<18}  {compared_change(cfg.compare, scores).format()}")
     errors = sum(t.termination == "simulator_error" for t in trajectories)
     print(f"{'simulator errors':<18}  {errors:d}")
     for name, value in simulator_counts.items():
         print(f"simulator {name:<8}  {value:g}")
     return 0
+
+
+def compared_change(path: str, scores: dict[str, float]) -> PairedChange:
+    """This run's per-user scores against those in the transcripts at `path` (paired by profile id)."""
+    from rlver.transcripts import read_numbered_transcripts
+
+    ids, finals = [], []
+    for line_number, record in read_numbered_transcripts(path):
+        if not isinstance(record, dict) or "profile_id" not in record or "final_emotion" not in record:
+            raise SystemExit(
+                f"rlver rollout: --compare {path}:{line_number}: not an `rlver rollout` transcript"
+            )
+        ids.append(record["profile_id"])
+        finals.append(float(record["final_emotion"]))
+    try:
+        return paired_by_key(per_user_means(ids, finals), scores)
+    except ValueError as error:
+        raise SystemExit(f"rlver rollout: --compare {path}: {error}") from None
 
 
 def format_summary(summary: dict[str, float], out: str) -> str:

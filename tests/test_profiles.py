@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -37,7 +39,7 @@ def test_official_chinese_sample_loads_unchanged():
         assert profile.language == "zh"
 
 
-@pytest.mark.parametrize(("name", "count"), [("builtin:en_train", 48), ("builtin:en_test", 16)])
+@pytest.mark.parametrize(("name", "count"), [("builtin:en_train", 48), ("builtin:en_test", 64)])
 def test_english_sets_cover_every_theme_and_personality(name, count):
     profiles = load_profiles(name)
     assert len(profiles) == count
@@ -62,7 +64,41 @@ def test_train_set_has_every_theme_personality_pair_twice():
 
 
 def test_train_and_test_ids_are_disjoint():
-    assert len(load_profile_sets(["builtin:en_train", "builtin:en_test"])) == 64
+    assert len(load_profile_sets(["builtin:en_train", "builtin:en_test"])) == 112
+
+
+def _persona_name(profile):
+    return profile.player.splitlines()[0].split(":", 1)[1].strip()
+
+
+def _persona_runs(profile, words=8):
+    """Every run of `words` words in what makes the person: persona sheet from the hobbies on (the
+    name/age/gender lines share their shape), background story, opening line and facts."""
+    sheet = profile.player.split("* Hobbies", 1)[-1]
+    story = profile.scene.split("## Emotion and reactions", 1)[0]
+    text = " ".join([sheet, story, profile.first_talk or "", *profile.extra["sim"]["facts"]])
+    tokens = re.findall(r"[a-z0-9']+", text.lower())
+    return {" ".join(tokens[i : i + words]) for i in range(len(tokens) - words + 1)}
+
+
+def test_test_users_share_no_persona_text_with_training_users():
+    train, test = load_profiles("builtin:en_train"), load_profiles("builtin:en_test")
+    assert not {_persona_name(p) for p in train} & {_persona_name(p) for p in test}
+    assert len({_persona_name(p) for p in test}) == len(test)  # every test user is a different person
+    seen = set().union(*(_persona_runs(p) for p in train))
+    for profile in test:
+        shared = _persona_runs(profile) & seen
+        assert not shared, f"{profile.id} shares persona text with a training user: {sorted(shared)[:3]}"
+    # The check itself catches a copied story line.
+    copied = dataclasses.replace(test[0], first_talk=train[0].extra["sim"]["facts"][0])
+    assert _persona_runs(copied) & seen
+
+
+def test_test_set_has_every_theme_personality_pair_and_eight_users_a_theme():
+    profiles = load_profiles("builtin:en_test")
+    assert set(Counter(p.theme for p in profiles).values()) == {8}
+    pairs = Counter((p.theme, p.personality) for p in profiles)
+    assert len(pairs) == 24  # 3 personality types for every theme
 
 
 def test_extra_fields_are_kept(tmp_path):

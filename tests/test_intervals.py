@@ -1,0 +1,127 @@
+"""Error bars: the t interval and the paired change against hand-computed cases; BeforeAfter's use of them."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from rlver.callbacks import BeforeAfter, heldout_scores
+from rlver.intervals import mean_interval, paired_by_key, paired_change, per_user_means
+
+
+def test_mean_interval_matches_the_hand_computed_t_interval():
+    # [1, 2, 3, 4]: mean 2.5, sample sd sqrt(5/3) = 1.29099, s.e. 0.645497, t(0.975; 3) = 3.182446.
+    interval = mean_interval([1.0, 2.0, 3.0, 4.0])
+    assert interval.mean == pytest.approx(2.5)
+    assert interval.low == pytest.approx(2.5 - 3.182446 * 0.645497, abs=1e-5)
+    assert interval.high == pytest.approx(2.5 + 3.182446 * 0.645497, abs=1e-5)
+    assert interval.count == 4 and interval.excludes_zero
+    # Two values 0 and 2: mean 1, s.e. 1, t(0.975; 1) = 12.7062.
+    wide = mean_interval([0.0, 2.0])
+    assert (wide.low, wide.high) == pytest.approx((1 - 12.7062, 1 + 12.7062), abs=1e-4)
+    assert not wide.excludes_zero
+    assert wide.format(signed=True) == "+1.0 [-11.7, +13.7]"
+
+
+def test_degenerate_samples_have_no_width_and_empty_ones_are_refused():
+    assert mean_interval([3.0]).format() == "3.0"
+    same = mean_interval([2.0, 2.0, 2.0])
+    assert (same.low, same.high) == (2.0, 2.0)
+    with pytest.raises(ValueError, match="at least one value"):
+        mean_interval([])
+
+
+def test_paired_change_is_the_interval_of_per_user_differences():
+    before = [30.0, 40.0, 20.0, 50.0]
+    after = [31.0, 42.0, 23.0, 54.0]  # changes 1, 2, 3, 4: the case above, whatever the users' levels
+    change = paired_change(before, after)
+    assert change.change.mean == pytest.approx(2.5)
+    assert change.change.low == pytest.approx(0.4458, abs=1e-4)
+    assert change.change.high == pytest.approx(4.5542, abs=1e-4)
+    assert (change.before, change.after, change.better, change.worse) == (35.0, 37.5, 4, 0)
+    assert change.format() == "+2.5 [+0.4, +4.6]; 4/4 users ended happier"
+    with pytest.raises(ValueError, match="as many values"):
+        paired_change([1.0], [1.0, 2.0])
+
+
+def test_pairing_by_profile_id_ignores_order_and_refuses_missing_users():
+    change = paired_by_key({"a": 10.0, "b": 20.0}, {"b": 25.0, "a": 9.0})
+    assert change.change.mean == pytest.approx(2.0) and (change.better, change.worse) == (1, 1)
+    with pytest.raises(ValueError, match="unpaired: c"):
+        paired_by_key({"a": 1.0, "c": 2.0}, {"a": 1.0})
+
+
+def test_per_user_means_average_each_users_samples():
+    assert per_user_means(["a", "a", "b"], [10.0, 20.0, 7.0]) == {"a": 15.0, "b": 7.0}
+
+
+class _Recorder:
+    """An `evaluation_rollouts` that remembers its calls and scores each dialogue from its index."""
+
+    def __init__(self, scores):
+        self.calls, self.scores = [], scores
+
+    def __call__(self, profiles, *, seed):
+        self.calls.append(([p.id for p in profiles], seed))
+        return [SimpleNamespace(final_emotion=self.scores(i, p)) for i, p in enumerate(profiles)]
+
+
+def _profiles(*ids):
+    return [SimpleNamespace(id=i) for i in ids]
+
+
+def test_heldout_scores_run_k_samples_per_user_in_one_call_and_average_them():
+    evaluate = _Recorder(lambda index, profile: float(index))
+    scores = heldout_scores(evaluate, _profiles("u1", "u2"), seed=5, samples=3)
+    assert evaluate.calls == [(["u1", "u1", "u1", "u2", "u2", "u2"], 5)]
+    assert scores == {"u1": 1.0, "u2": 4.0}
+
+
+def _trainer(profiles, step, tmp_path):
+    return SimpleNamespace(
+        datamodule=SimpleNamespace(profiles=lambda split: profiles),
+        global_step=step,
+        max_steps=3,
+        interrupted=False,
+        global_rank=0,
+        log_dir=str(tmp_path),
+        default_root_dir=str(tmp_path),
+        callbacks=[],
+    )
+
+
+def test_before_after_uses_its_own_seed_not_the_training_seed_and_prints_the_interval(tmp_path, capsys):
+    profiles = _profiles("u1", "u2", "u3", "u4")
+    trained = {"u1": 1.0, "u2": 2.0, "u3": 3.0, "u4": 4.0}
+    modules = []
+    for training_seed in (0, 1):
+        module = SimpleNamespace(
+            runner=SimpleNamespace(engine=SimpleNamespace(sync_weights=lambda: None)),
+            rollout_settings=SimpleNamespace(seed=training_seed),
+        )
+        module.evaluation_rollouts = _Recorder(
+            lambda i, p, m=module: 30.0 + (trained[p.id] if m.trained else 0.0)
+        )
+        module.trained = False
+        callback = BeforeAfter(limit=0, seed=11)
+        callback.on_train_start(_trainer(profiles, 0, tmp_path), module)
+        module.trained = True
+        callback.on_train_end(_trainer(profiles, 3, tmp_path), module)
+        modules.append(module)
+    # Both training seeds evaluated at the callback's seed 11, before and after.
+    assert [seed for m in modules for _, seed in m.evaluation_rollouts.calls] == [11, 11, 11, 11]
+    out = capsys.readouterr().out
+    assert "after 3 steps  32.5  (+2.5 [+0.4, +4.6]; 4/4 users ended happier)" in out
+    record = json.loads((tmp_path / "before_after.json").read_text())
+    assert record["before"] == {p.id: 30.0 for p in profiles}
+    assert record["change"]["change_low"] == pytest.approx(0.4458, abs=1e-4)
+    assert record["seed"] == 11 and record["step"] == 3
+
+
+def test_before_after_rejects_bad_settings():
+    with pytest.raises(ValueError, match="samples"):
+        BeforeAfter(samples=0)
+    with pytest.raises(ValueError, match="limit"):
+        BeforeAfter(limit=-1)
