@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=1, help="Greedy dialogues per user.")
     parser.add_argument("--eval-limit", type=int, default=0, help="The first N test users (0: all).")
     parser.add_argument("--no-train", action="store_true", help="Only evaluate the runs already trained.")
+    parser.add_argument("--train-only", action="store_true", help="Train the missing runs, evaluate none.")
     args = parser.parse_args()
     arms = dict(arm.split("=", 1) for arm in args.arm)
 
@@ -107,6 +108,8 @@ def main() -> None:
             if (run_dir / "train_seconds").exists():
                 runs[(name, seed)] = run_dir
 
+    if args.train_only:
+        return
     from rlver.intervals import Interval, mean_interval, paired_by_key
 
     checkpoints = {"untrained": None} | {

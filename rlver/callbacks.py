@@ -69,7 +69,10 @@ class BeforeAfter(L.Callback):
         if trainer.global_rank != 0:
             return
         mean_after = sum(after.values()) / max(len(after), 1)
-        lines = [f"\nrlver: greedy mean final emotion of {len(after)} held-out users ({self.split})"]
+        lines = [
+            f"\nrlver: greedy mean final emotion of {len(after)} held-out users ({self.split}, evaluation"
+            f" seed {self.seed}; change: mean over users [95% interval])"
+        ]
         if 0 < trainer.global_step < (trainer.max_steps or 0) and not trainer.interrupted:
             stopped = f"stopped at step {trainer.global_step} of {trainer.max_steps}"
             lines.append(f"  ({stopped}: max_time or a stop signal)")
@@ -77,8 +80,7 @@ class BeforeAfter(L.Callback):
         if change is not None:
             lines.append(
                 f"  before training  {change.before:.1f}\n"
-                f"  after {trainer.global_step} steps  {mean_after:.1f}  ({change.format()})\n"
-                f"  (change: mean over users [95% interval]; evaluation seed {self.seed})"
+                f"  after {trainer.global_step} steps  {mean_after:.1f}  ({change.format()})"
             )
         else:
             lines.append(f"  after {trainer.global_step} steps  {mean_after:.1f}  (resumed run: no 'before')")

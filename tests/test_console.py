@@ -75,7 +75,7 @@ def test_a_short_fit_prints_a_screenful_and_verbose_shows_the_rest(tmp_path, tin
         "before training (greedy) ... done in",
         "step 1/2  reward ",
         "step 2/2  reward ",
-        "greedy mean final emotion of 16 held-out users",
+        "greedy mean final emotion of 64 held-out users (test, evaluation seed 0",
         "tensorboard --logdir",
     ):
         assert expected in text, text

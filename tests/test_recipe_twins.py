@@ -8,6 +8,7 @@ A file of their own: xdist keeps a file on one worker, and these runs are the su
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -123,8 +124,15 @@ def test_laptop_recipe_twin_trains(recipe, tmp_path, tiny_model_dir):
     (digest,) = digests(tmp_path, ranks=1)
     assert digest["step"] == 2
     # The recipe's own before/after evaluation closes the run, with where to look next.
-    assert "greedy mean final emotion of 16 held-out users" in result.stdout
-    assert "before training" in result.stdout and "after 2 steps" in result.stdout
+    assert "greedy mean final emotion of 64 held-out users (test, evaluation seed 0" in result.stdout
+    assert "before training" in result.stdout
+    # the paired change with its interval over users, and every user's scores beside the run
+    assert re.search(
+        r"after 2 steps\s+[\d.]+\s+\([+-][\d.]+( \[[+-][\d.]+, [+-][\d.]+\])?; \d+/64 users", result.stdout
+    )
+    (record,) = (tmp_path / "runs" / recipe).rglob("before_after.json")
+    scores = json.loads(record.read_text())
+    assert len(scores["before"]) == len(scores["after"]) == 64 and scores["step"] == 2
     assert f"runs/{recipe}/checkpoints/last.ckpt" in result.stdout
 
 
