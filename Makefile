@@ -69,9 +69,11 @@ test-fast: setup bytecode
 wheel-check: setup
 	$(PY) .ci/wheel_check.py
 
+# lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]); no cache file in the repo.
 lint: setup
 	$(VENV)/bin/ruff check rlver plugins tests
 	$(VENV)/bin/ruff format --check rlver plugins tests
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

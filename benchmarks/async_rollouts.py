@@ -69,7 +69,7 @@ def tiny_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from rlver.models import resolve_model_path
+    from rlver.modeling.models import resolve_model_path
 
     source = resolve_model_path("smollm2-135m-instruct")
     base = LlamaConfig.from_pretrained(source)

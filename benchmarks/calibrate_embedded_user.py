@@ -1,6 +1,6 @@
 """Fit the embedded user's semantic judge on recorded SAGE dialogues (the tune split only).
 
-Each recorded dialogue of the tune split (rlver.agreement.split_of: the 70% never held out) is
+Each recorded dialogue of the tune split (rlver.evaluate.agreement.split_of: the 70% never held out) is
 replayed through the embedded user with teacher forcing of both the user's words and emotion;
 at every turn the rubric judges the recorded reply and the semantic features are computed
 (plugins/embedded_user/semantic.py). Turns the guards decide (garbled or stuffed replies keep
@@ -23,8 +23,8 @@ from pathlib import Path
 from rlver_plugins.embedded_user import EmbeddedUserSimulator, semantic
 from rlver_plugins.embedded_user.simulator import GUARDED_SIGNALS
 
-from rlver.agreement import load_recorded, pearson, split_of
 from rlver.data.profiles import parse_profile
+from rlver.evaluate.agreement import load_recorded, pearson, split_of
 
 FOLDS = 5
 RUBRIC_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -100,7 +100,7 @@ def main() -> None:
     fitted = [calibration.predict(row) for row in rows]
     about = {
         "fitted_on": Path(args.file).name,
-        "split": "tune (rlver.agreement.split_of)",
+        "split": "tune (rlver.evaluate.agreement.split_of)",
         "dialogues": dialogues,
         "turns": len(rows),
         "ridge": args.ridge,

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from rlver.checkpoint_io import atomic_torch_save
-from rlver.lora import LoraSettings, add_adapter
-from rlver.models import load_policy
+from rlver.checkpoint.io import atomic_torch_save
+from rlver.modeling.lora import LoraSettings, add_adapter
+from rlver.modeling.models import load_policy
 
 
 def training_state(lora: bool) -> dict:

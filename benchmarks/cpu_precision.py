@@ -10,8 +10,8 @@ import time
 import torch
 from rlver_plugins.hf_engine import HFEngine
 
-from rlver.interfaces import SamplingSettings
-from rlver.models import load_policy
+from rlver.core.interfaces import SamplingSettings
+from rlver.modeling.models import load_policy
 
 
 def main() -> None:

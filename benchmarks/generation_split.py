@@ -21,10 +21,10 @@ from rlver_plugins.formats import NoThinkFormat
 from rlver_plugins.vllm_engine import VLLMEngine
 from rlver_plugins.vllm_engine import engine as vllm_engine_module
 
+from rlver.core.interfaces import SamplingSettings
 from rlver.data.profiles import load_profiles
-from rlver.interfaces import SamplingSettings
-from rlver.models import load_policy
-from rlver.rollout import RolloutRunner, RolloutSettings
+from rlver.modeling.models import load_policy
+from rlver.rollout.runner import RolloutRunner, RolloutSettings
 
 
 class RecordingEngine:

@@ -62,7 +62,7 @@ import sys
 
 import rlver
 import rlver_plugins
-from rlver.plugins import get_registry
+from rlver.core.plugins import get_registry
 
 site = sys.argv[1]
 for package in (rlver, rlver_plugins):

@@ -19,7 +19,7 @@ A probe callback in the run (gpu_check_parts.PhaseProbe) records what the table 
 - gap: max |engine - trainer| log-prob of the sampled tokens, per position bucket;
 - GiB per phase: peak torch.cuda.max_memory_allocated of rollout, scoring, update, sync and
   checkpoint (reset at each phase's start), next to `rlver plan`'s prediction for the same config
-  and GPU (rlver.memory_plan), as "measured / planned".
+  and GPU (rlver.plan.memory_plan), as "measured / planned".
 
 Then, where `import vllm` works on CUDA, a vLLM check over the 0.5B folder: greedy generation,
 sleep (level 2), wake (weights, then KV cache), generation, a streamed weight sync, generation;
@@ -98,7 +98,7 @@ def run_config(
     trainer["default_root_dir"] = str(root)
     if smoke:  # FSDP on CPU (gloo) at 32-true: a smoke test of the script, not of the numerics
         trainer.update(accelerator="cpu", precision="32-true")
-        trainer["strategy"]["class_path"] = "rlver.distributed.AnyDeviceFSDPStrategy"
+        trainer["strategy"]["class_path"] = "rlver.parallel.sharding.AnyDeviceFSDPStrategy"
     checkpoints = []
     if checkpoint:
         checkpoints.append(
@@ -133,7 +133,7 @@ def run_config(
 
 def checkpoint_gib(shape_config: dict, algorithm: str) -> float:
     """What one checkpoint of the run writes: policy (+ critic) weights and AdamW states, float32."""
-    from rlver.architectures import Architecture
+    from rlver.plan.architectures import Architecture
 
     arch = Architecture.from_config(shape_config, name="check", source="check")
     parameters = arch.parameter_count() + (arch.critic_parameter_count() if algorithm == "ppo" else 0)
@@ -204,7 +204,7 @@ def plan_for(config_path: Path, gpu_memory_gib: float) -> dict[str, float]:
     import warnings
 
     from rlver.cli import parse_recipe
-    from rlver.memory_plan import plan_recipe
+    from rlver.plan.memory_plan import plan_recipe
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore")

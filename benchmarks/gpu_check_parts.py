@@ -92,14 +92,14 @@ def _cuda() -> bool:
 
 
 def _trainable_names(module: torch.nn.Module) -> list[str]:
-    from rlver.distributed import clean_name
+    from rlver.parallel.sharding import clean_name
 
     return [clean_name(name) for name, p in module.named_parameters() if p.requires_grad]
 
 
 def _full_weights(module: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     """The trained parameters, whole and on the CPU (a copy), by their Hugging Face names."""
-    from rlver.full_weights import full_state_dict
+    from rlver.parallel.full_weights import full_state_dict
 
     state = full_state_dict(module, cpu_offload=True)
     return {name: state[name].detach().to("cpu", copy=True) for name in names}
@@ -107,7 +107,7 @@ def _full_weights(module: torch.nn.Module, names: list[str]) -> dict[str, torch.
 
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The gradients left by the step's last backward (one process: the whole tensors)."""
-    from rlver.distributed import clean_name
+    from rlver.parallel.sharding import clean_name
 
     return {
         clean_name(name): p.grad.detach().cpu()
@@ -285,8 +285,8 @@ def vllm_worker(model: str, out: Path) -> int:
     """In its own process: engine start, generate, sleep, wake, generate, sync, generate."""
     from rlver_plugins.vllm_engine.engine import VLLMEngine
 
-    from rlver.interfaces import SamplingSettings
-    from rlver.models import load_policy
+    from rlver.core.interfaces import SamplingSettings
+    from rlver.modeling.models import load_policy
 
     result: dict = {}
 

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from rlver.batch import token_logprobs
-from rlver.lora import LoraSettings, add_adapter, inference_state_dict
-from rlver.models import load_policy
+from rlver.modeling.batch import token_logprobs
+from rlver.modeling.lora import LoraSettings, add_adapter, inference_state_dict
+from rlver.modeling.models import load_policy
 
 PROMPTS = [
     "My sister stopped talking to me after the wedding.",

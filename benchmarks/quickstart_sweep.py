@@ -59,11 +59,11 @@ def quarters(curve: list[float]) -> tuple[float, float]:
 
 def evaluate(recipe: str, checkpoints: dict[str, Path | None], seed: int, samples: int, limit: int) -> dict:
     """Per-user scores of each checkpoint (None: the untrained policy), one engine for all."""
-    from rlver.callbacks import heldout_scores
+    from rlver.checkpoint.export import load_policy_weights
     from rlver.cli import build_runner, rollout_parser
     from rlver.data.datamodule import ProfileDataModule
-    from rlver.evaluation import evaluation_settings
-    from rlver.export import load_policy_weights
+    from rlver.train.callbacks import heldout_scores
+    from rlver.train.evaluation import evaluation_settings
 
     cfg = rollout_parser().parse_args(["--config", recipe, "--out", "/dev/null"])
     profiles = ProfileDataModule(**cfg.data.as_dict()).profiles("test")
@@ -110,7 +110,7 @@ def main() -> None:
 
     if args.train_only:
         return
-    from rlver.intervals import Interval, mean_interval, paired_by_key
+    from rlver.evaluate.intervals import Interval, mean_interval, paired_by_key
 
     checkpoints = {"untrained": None} | {
         f"{n}/{s}": d / "checkpoints" / "last.ckpt" for (n, s), d in runs.items()

@@ -21,8 +21,8 @@ from rlver_plugins.hf_engine import HFEngine
 from rlver_plugins.vllm_engine import VLLMEngine
 
 from rlver.data.profiles import load_profiles
-from rlver.models import load_policy
-from rlver.rollout import RolloutRunner, RolloutSettings, Trajectory
+from rlver.modeling.models import load_policy
+from rlver.rollout.runner import RolloutRunner, RolloutSettings, Trajectory
 
 
 def sampled_tokens(trajectories: list[Trajectory]) -> int:

@@ -1,7 +1,7 @@
 """Does a simulator plugin react like SAGE? Recorded SAGE dialogues replayed through it.
 
 For each file (one model's recorded Sentient dialogues, the format `rlver score` reads), every
-dialogue is replayed with teacher forcing (rlver.agreement): the plugin sees the recorded
+dialogue is replayed with teacher forcing (rlver.evaluate.agreement): the plugin sees the recorded
 history and assistant reply, makes its emotion change, and is then told what the user really
 said next. Printed: per-turn Pearson and Spearman correlation of the plugin's change with
 SAGE's recorded change; the per-dialogue correlation of the final emotion; one line per file
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from rlver.agreement import Agreement, agreement, load_recorded, replay, spearman, split_of, to_json
-from rlver.plugins import get_registry
+from rlver.core.plugins import get_registry
+from rlver.evaluate.agreement import Agreement, agreement, load_recorded, replay, spearman, split_of, to_json
 
 
 def line(name: str, result: Agreement) -> str:

@@ -17,7 +17,7 @@ import time
 from rlver_plugins.sage_user import SageUserSimulator
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-from rlver.types import Profile
+from rlver.core.types import Profile
 
 
 def profile(index: int) -> Profile:

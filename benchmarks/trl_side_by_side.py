@@ -80,7 +80,7 @@ def trl_child(args: argparse.Namespace) -> None:
     from trl.models.utils import unwrap_model_for_generation
 
     from rlver.data.profiles import load_profile_sets
-    from rlver.rollout import dialogue_seed
+    from rlver.rollout.runner import dialogue_seed
 
     bf16 = args.precision == "bf16-mixed"
     if args.generation == "vllm":
@@ -354,8 +354,8 @@ def main() -> None:
     if args.steps < 3:
         parser.error("--steps must be >= 3 (the median runs over steps 2..N)")
 
-    from rlver.models import resolve_model_path
-    from rlver.precision import resolve_precision
+    from rlver.modeling.models import resolve_model_path
+    from rlver.modeling.precision import resolve_precision
 
     if args.precision == "auto":  # pinned here, so both sides run the same one
         args.precision = resolve_precision("auto", "cpu")[0]

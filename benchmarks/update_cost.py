@@ -4,9 +4,9 @@
 language-model head at every position in both, its float32 log-softmax in one pass. "head-only":
 one optimizer step from the sampling policy takes the training pass's own log-probs (no scoring
 pass), the head runs only at the positions the loss reads, and the float32 maths over the
-vocabulary runs 1,024 rows at a time, recomputed in the backward (rlver.batch.in_vocab_chunks).
+vocabulary runs 1,024 rows at a time, recomputed in the backward (rlver.modeling.batch.in_vocab_chunks).
 "today": that, and the prompt a micro-batch's sequences share (a GRPO group's opening) runs once
-(rlver.shared_prefix). Each runs `score_tokens` + `ppo_update` (GRPO, one epoch, one minibatch,
+(rlver.modeling.shared_prefix). Each runs `score_tokens` + `ppo_update` (GRPO, one epoch, one minibatch,
 micro-batches of 4 as the recipes) on the same synthetic batch, each path in its own process so
 its peak RSS is its own:
 
@@ -34,10 +34,10 @@ import time
 
 import torch
 
-from rlver.batch import RolloutBatch
-from rlver.ppo_update import PPOSettings, ppo_update
-from rlver.precision import resolve_precision
-from rlver.scoring import score_tokens
+from rlver.modeling.batch import RolloutBatch
+from rlver.modeling.precision import resolve_precision
+from rlver.train.ppo_update import PPOSettings, ppo_update
+from rlver.train.scoring import score_tokens
 
 SHAPES = {
     "quickstart": {"sequences": 8, "length": 300, "trained": 50, "micro": 4, "group": 4, "prompt": 100},
@@ -50,7 +50,7 @@ def build_model(shape: str) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if shape == "quickstart":
-        from rlver.models import load_policy
+        from rlver.modeling.models import load_policy
 
         return load_policy("smollm2-135m-instruct").model
     config = LlamaConfig(
@@ -95,13 +95,13 @@ def run_one(shape: str, path: str, repeats: int) -> dict:
     batch = build_batch(shape, vocab)
     before = path == "before"
     if before:  # the vocabulary maths in one float32 pass over every kept position, as it was
-        import rlver.batch
-        import rlver.loss_positions
+        import rlver.modeling.batch
+        import rlver.modeling.loss_positions
 
         def one_pass(fn, logits, *aligned, dim, **options):
             return fn(logits, *aligned, **options)
 
-        rlver.batch.in_vocab_chunks = rlver.loss_positions.in_vocab_chunks = one_pass
+        rlver.modeling.batch.in_vocab_chunks = rlver.modeling.loss_positions.in_vocab_chunks = one_pass
     settings = PPOSettings(
         micro_batch_size=SHAPES[shape]["micro"], head_at_loss_positions=not before,
         share_prompt_prefix=path == "today",

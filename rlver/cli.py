@@ -16,23 +16,24 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from rlver.console import quiet_libraries, take_verbose_flag
+from rlver.core.console import quiet_libraries, take_verbose_flag
 
 quiet_libraries()  # before torch loads (below): its C++ warnings read their level once
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace  # noqa: E402
 
 from rlver import __version__  # noqa: E402
-from rlver.allocator import keep_freed_memory  # noqa: E402
-from rlver.checkpoint_io import CheckpointWriteError  # noqa: E402
+from rlver.checkpoint.io import CheckpointWriteError  # noqa: E402
+from rlver.core.interfaces import SimulatorUnavailable  # noqa: E402
+from rlver.core.plugins import PluginError, get_registry, plain_config  # noqa: E402
+from rlver.core.trajectory import summarize  # noqa: E402
 from rlver.data.datamodule import ProfileDataModule  # noqa: E402
-from rlver.interfaces import SimulatorUnavailable  # noqa: E402
-from rlver.intervals import PairedChange, mean_interval, paired_by_key, per_user_means  # noqa: E402
-from rlver.models import ModelError  # noqa: E402
-from rlver.module import RLVERModule  # noqa: E402
-from rlver.plugins import PluginError, get_registry, plain_config  # noqa: E402
-from rlver.rollout import RolloutRunner, summarize  # noqa: E402
-from rlver.transcripts import TranscriptWriter  # noqa: E402
+from rlver.evaluate.intervals import PairedChange, mean_interval, paired_by_key, per_user_means  # noqa: E402
+from rlver.modeling.models import ModelError  # noqa: E402
+from rlver.parallel.allocator import keep_freed_memory  # noqa: E402
+from rlver.rollout.runner import RolloutRunner  # noqa: E402
+from rlver.rollout.transcripts import TranscriptWriter  # noqa: E402
+from rlver.train.module import RLVERModule  # noqa: E402
 
 # Sections of a training config that `rlver rollout` reads past without using.
 _TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything")
@@ -40,15 +41,15 @@ _TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed
 
 def build_runner(model_cfg: Namespace, device: str, ckpt: str | None = None) -> RolloutRunner:
     """The module's components (cheap: a config error surfaces here, before the model loads) over a policy."""
-    from rlver.models import load_policy
+    from rlver.modeling.models import load_policy
 
     if device == "cpu":
-        keep_freed_memory()  # as `rlver fit` on CPU (rlver.allocator)
+        keep_freed_memory()  # as `rlver fit` on CPU (rlver.parallel.allocator)
     options = plain_config(model_cfg)
     module = RLVERModule(**options)
     policy = load_policy(options["policy"], dtype=options["dtype"], device=device)
     if ckpt is not None:
-        from rlver.export import load_policy_weights
+        from rlver.checkpoint.export import load_policy_weights
 
         load_policy_weights(policy.model, ckpt)
         policy.name = f"{policy.name}@{ckpt}"
@@ -177,7 +178,7 @@ def rollout_command(argv: Sequence[str]) -> int:
 
 def compared_change(path: str, scores: dict[str, float]) -> PairedChange:
     """This run's per-user scores against those in the transcripts at `path` (paired by profile id)."""
-    from rlver.transcripts import read_numbered_transcripts
+    from rlver.rollout.transcripts import read_numbered_transcripts
 
     ids, finals = [], []
     for line_number, record in read_numbered_transcripts(path):
@@ -220,7 +221,7 @@ def export_command(argv: Sequence[str]) -> int:
         help="A LoRA run: write only the adapter (peft format) instead of merged weights.",
     )
     cfg = parser.parse_args(list(argv))
-    from rlver.export import export_checkpoint
+    from rlver.checkpoint.export import export_checkpoint
 
     out = export_checkpoint(cfg.ckpt, cfg.out, adapter=cfg.adapter)
     print(f"exported {cfg.ckpt} -> {out}")
@@ -229,7 +230,12 @@ def export_command(argv: Sequence[str]) -> int:
 
 # --------------------------------------------------------------------------- rlver score
 def score_command(argv: Sequence[str]) -> int:
-    from rlver.score import leaderboard_markdown, leaderboard_rows, load_scored_file, plot_trajectories
+    from rlver.evaluate.score import (
+        leaderboard_markdown,
+        leaderboard_rows,
+        load_scored_file,
+        plot_trajectories,
+    )
 
     parser = ArgumentParser(
         prog="rlver score",
@@ -265,7 +271,7 @@ def score_command(argv: Sequence[str]) -> int:
 
 # --------------------------------------------------------------------------- rlver plan
 def plan_command(argv: Sequence[str]) -> int:
-    from rlver.memory_plan import GIB, failures, format_plan, plan_recipe
+    from rlver.plan.memory_plan import GIB, failures, format_plan, plan_recipe
 
     parser = ArgumentParser(
         prog="rlver plan",
@@ -363,7 +369,7 @@ def _check_keys(tree: Any, path: str, where: tuple[str, ...]) -> None:
 def lightning_command(argv: Sequence[str]) -> int:
     get_registry()  # plugins first: their names and options must be known to the parser
     check_config_files(argv)
-    from rlver.trainer import Trainer
+    from rlver.train.trainer import Trainer
 
     cli = _lightning_cli_class(argv[0])(
         RLVERModule,
@@ -398,7 +404,7 @@ class _ParserBuilt(Exception):
 @functools.cache
 def _recipe_parser() -> ArgumentParser:
     """`rlver fit`'s parser, built once per process: building it is half the time of a parse."""
-    from rlver.trainer import Trainer
+    from rlver.train.trainer import Trainer
 
     class BuildOnly(_lightning_cli_class()):  # type: ignore[misc, valid-type]
         def parse_arguments(self, parser: ArgumentParser, args: Any) -> None:

@@ -184,7 +184,7 @@ def _each_file_leaves_the_sessions_environment():
 @pytest.fixture(scope="session")
 def policy():
     """The real embedded SmolLM2 policy, loaded once per test session."""
-    from rlver.models import load_policy
+    from rlver.modeling.models import load_policy
 
     return load_policy("smollm2-135m-instruct")
 
@@ -245,7 +245,7 @@ def make_tiny_model(folder, max_position_embeddings=4096):
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from rlver.models import resolve_model_path
+    from rlver.modeling.models import resolve_model_path
 
     source = resolve_model_path("smollm2-135m-instruct")
     base = LlamaConfig.from_pretrained(source)

@@ -30,8 +30,8 @@ class WeightDigest(L.Callback):
     @staticmethod
     def _trained_policy_weights(pl_module: L.LightningModule) -> dict[str, Any]:
         """The policy's trained tensors, whole (a collective under FSDP: every rank calls it)."""
-        from rlver.distributed import clean_name
-        from rlver.full_weights import full_state_dict
+        from rlver.parallel.full_weights import full_state_dict
+        from rlver.parallel.sharding import clean_name
 
         model = pl_module.policy_model
         trained = {clean_name(n) for n, p in model.named_parameters() if p.requires_grad}

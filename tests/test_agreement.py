@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rlver.agreement import agreement, load_recorded, pearson, ranks, replay, spearman, split_of
+from rlver.evaluate.agreement import agreement, load_recorded, pearson, ranks, replay, spearman, split_of
 from tests.conftest import REPO
 
 SAGE_FILE = REPO.parent / "shared" / "data" / "sage_transcripts_qwen2.5-72b.jsonl"

@@ -1,4 +1,4 @@
-"""rlver.allocator: a CPU run reuses the pages it freed instead of faulting them in again."""
+"""rlver.parallel.allocator: a CPU run reuses the pages it freed instead of faulting them in again."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 # again after freeing it (glibc's defaults: fresh mmap pages every time).
 SCRIPT = """
 import ctypes, json, resource
-from rlver import allocator
+from rlver.parallel import allocator
 
 applied = allocator.keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
@@ -75,7 +75,7 @@ def test_the_user_can_say_no_or_tune_malloc_themselves(opt_out):
 
 
 def test_a_cpu_trainer_keeps_freed_memory(monkeypatch):
-    from rlver import trainer
+    from rlver.train import trainer
 
     calls = []
     monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1))

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from rlver.batch import build_batch, token_logprobs
-from rlver.interfaces import ParsedReply
+from rlver.core.interfaces import ParsedReply
+from rlver.core.types import Profile, UserTurn
+from rlver.modeling.batch import build_batch, token_logprobs
 from rlver.rl.advantages import gae, terminal_rewards
-from rlver.rollout import PolicyTurn, Trajectory
-from rlver.types import Profile, UserTurn
+from rlver.rollout.runner import PolicyTurn, Trajectory
 
 PROFILE = Profile("p", "player", "scene", "passive", ("a",), "You want deep empathy.")
 
@@ -63,10 +63,10 @@ def _one_pass(logits, targets, temperature):
 def test_vocabulary_chunks_give_the_one_pass_values_and_gradients(monkeypatch, dtype):
     """5 rows a chunk over (3, 7, 11) logits: positions in chunks of 1 (target log-probs) and
     rows of 5 (entropy): the same numbers and the same gradient as one pass over everything."""
-    import rlver.batch
+    import rlver.modeling.batch
     from rlver.rl.losses import entropy_from_logits
 
-    monkeypatch.setattr(rlver.batch, "VOCAB_ROWS_PER_CHUNK", 5)
+    monkeypatch.setattr(rlver.modeling.batch, "VOCAB_ROWS_PER_CHUNK", 5)
     generator = torch.Generator().manual_seed(0)
     base = torch.randn(3, 7, 11, generator=generator).to(dtype)
     targets = torch.randint(0, 11, (3, 7), generator=generator)
@@ -75,8 +75,8 @@ def test_vocabulary_chunks_give_the_one_pass_values_and_gradients(monkeypatch, d
     for chunked in (True, False):
         logits = base.clone().requires_grad_(True)
         if chunked:
-            picked = rlver.batch.target_logprobs(logits, targets, temperature=0.7)
-            entropy = rlver.batch.in_vocab_chunks(
+            picked = rlver.modeling.batch.target_logprobs(logits, targets, temperature=0.7)
+            entropy = rlver.modeling.batch.in_vocab_chunks(
                 entropy_from_logits, logits.reshape(21, 11), dim=0, temperature=0.7
             ).reshape(3, 7)
         else:
@@ -94,9 +94,9 @@ def test_vocabulary_chunks_give_the_one_pass_values_and_gradients(monkeypatch, d
 def test_the_backward_keeps_the_logits_not_their_float32_copy(monkeypatch):
     """What autograd saves for the backward, in bytes: chunked, the bf16 logits themselves (each
     chunk's float32 work is recomputed); one pass keeps a float32 copy and the log-softmax too."""
-    import rlver.batch
+    import rlver.modeling.batch
 
-    monkeypatch.setattr(rlver.batch, "VOCAB_ROWS_PER_CHUNK", 8)
+    monkeypatch.setattr(rlver.modeling.batch, "VOCAB_ROWS_PER_CHUNK", 8)
     logits = torch.randn(2, 64, 1000).to(torch.bfloat16).requires_grad_(True)
     targets = torch.randint(0, 1000, (2, 64))
 
@@ -114,7 +114,7 @@ def test_the_backward_keeps_the_logits_not_their_float32_copy(monkeypatch):
         return sum(seen.values())
 
     logits_bytes = logits.numel() * logits.element_size()
-    chunked = saved_bytes(lambda: rlver.batch.target_logprobs(logits, targets, 0.7).sum())
+    chunked = saved_bytes(lambda: rlver.modeling.batch.target_logprobs(logits, targets, 0.7).sum())
     one_pass = saved_bytes(lambda: _one_pass(logits, targets, 0.7)[0].sum())
     assert chunked <= logits_bytes * 1.05, (chunked, logits_bytes)
     assert one_pass >= logits_bytes * 4, (one_pass, logits_bytes)  # bf16 -> float32 copy and log-softmax

@@ -23,7 +23,7 @@ import pytest
 import torch
 import yaml
 
-from rlver.checkpoint_io import read_checkpoint_state
+from rlver.checkpoint.io import read_checkpoint_state
 from tests.conftest import REPO, run_rlver
 from tests.test_multiprocess import digests, launch, lay_out_data, read_scalars, twin_config
 

@@ -12,7 +12,7 @@ from rlver_plugins.sage_user.client import EndpointSettings
 from rlver_plugins.vllm_engine.engine import check_engine_device, engine_options
 
 from rlver.data.profiles import ProfileError, load_profiles
-from rlver.trainer import launcher_global_rank, wait_for_processes, widen_collective_timeout
+from rlver.train.trainer import launcher_global_rank, wait_for_processes, widen_collective_timeout
 
 
 @pytest.mark.parametrize(
@@ -61,7 +61,7 @@ def test_the_paper_recipes_dead_endpoint_is_given_up_on_before_the_collectives_t
 
 
 def test_the_module_asks_for_the_simulators_bound_plus_a_margin(monkeypatch):
-    from rlver.module import RLVERModule
+    from rlver.train.module import RLVERModule
 
     monkeypatch.setenv("RLVER_TEST_KEY", "not-a-secret")
     user = {
@@ -119,7 +119,7 @@ def test_a_gpu_weight_sync_wakes_the_weights_streams_them_then_wakes_the_kv_cach
     from rlver_plugins.vllm_engine.engine import VLLMEngine
     from transformers import AutoModelForCausalLM
 
-    from rlver.models import Policy
+    from rlver.modeling.models import Policy
 
     calls = []
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rlver import console
+from rlver.core import console
 
 # Lines that are library chatter, not rlver's: vLLM's log format, Python warnings, Lightning tips.
 CHATTER = re.compile(r"\b(INFO|WARNING)\b|Warning:|💡|Tip:|GPU available|Seed set to")

@@ -14,13 +14,13 @@ from rlver_plugins.formats import NoThinkFormat
 from rlver_plugins.hf_engine import HFEngine
 
 from rlver.cli import parse_recipe
-from rlver.curriculum import DifficultyCurriculum, difficulty_metrics
+from rlver.core.emotion import DIFFICULTIES, apply_change, profile_difficulty, resolve_difficulty, termination
+from rlver.core.plugins import plain_config
+from rlver.core.types import Profile
 from rlver.data.profiles import ProfileError, load_profiles
-from rlver.emotion import DIFFICULTIES, apply_change, profile_difficulty, resolve_difficulty, termination
-from rlver.module import RLVERModule
-from rlver.plugins import plain_config
-from rlver.rollout import RolloutRunner, RolloutSettings
-from rlver.types import Profile
+from rlver.rollout.runner import RolloutRunner, RolloutSettings
+from rlver.train.curriculum import DifficultyCurriculum, difficulty_metrics
+from rlver.train.module import RLVERModule
 from tests.conftest import REPO
 
 HOSTILE = "Shut up, you're pathetic, nobody cares."  # raw change well below -10 for this profile
@@ -203,7 +203,7 @@ def test_levels_are_deterministic_across_processes():
     here = [curriculum.level_for(7, f"p{i}", i, 3) for i in range(40)]
     assert here == [curriculum.level_for(7, f"p{i}", i, 3) for i in range(40)]
     code = (
-        "from rlver.curriculum import DifficultyCurriculum as C\n"
+        "from rlver.train.curriculum import DifficultyCurriculum as C\n"
         f"c = C.from_config({STAGES!r})\n"
         "print(','.join(c.level_for(7, f'p{i}', i, 3) for i in range(40)))"
     )

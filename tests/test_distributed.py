@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from rlver.checkpoint_io import is_sharded_checkpoint, read_checkpoint_state
-from rlver.distributed import clean_name, decoder_layer_classes
-from rlver.full_weights import full_state_dict
-from rlver.grad_clip import clip_grad_norm
+from rlver.checkpoint.io import is_sharded_checkpoint, read_checkpoint_state
+from rlver.parallel.full_weights import full_state_dict
+from rlver.parallel.grad_clip import clip_grad_norm
+from rlver.parallel.sharding import clean_name, decoder_layer_classes
 
 WORLD = 2
 MAX_NORM = 0.05  # far below the tiny model's gradient norm, so clipping is always active
@@ -183,8 +183,8 @@ def _run_ranks(
 
 # ------------------------------------------------------------------------------------------ rank bodies
 def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
-    from rlver.distributed import fsdp1_wrap, fsdp2_shard, is_sharded
-    from rlver.full_weights import gathered_for_generation
+    from rlver.parallel.full_weights import gathered_for_generation
+    from rlver.parallel.sharding import fsdp1_wrap, fsdp2_shard, is_sharded
 
     model = _tiny_llama(0)
     full_numel = sum(p.numel() for p in model.parameters())
@@ -205,7 +205,7 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
         "init_state": {k: v.clone() for k, v in full_state_dict(sharded, cpu_offload=True).items()},
     }
     # the engine sync's streamed gather: every parameter once, one FSDP unit per chunk
-    from rlver.full_weights import iter_full_weights
+    from rlver.parallel.full_weights import iter_full_weights
 
     result["streamed"], result["chunk_numels"] = {}, []
     for chunk in iter_full_weights(sharded):
@@ -235,9 +235,9 @@ def _sharded_worker(rank: int, flavor: str) -> dict[str, Any]:
 
 def _shared_prompt_passes(model: Any, rank: int) -> dict[bool, Any]:
     """The log-probs and global gradient norm of 3 sequences with a common 40-token prompt, the
-    prompt run once (rlver.shared_prefix) and not, through the wrapper; the batch sizes the
+    prompt run once (rlver.modeling.shared_prefix) and not, through the wrapper; the batch sizes the
     embedding saw. Gradients are dropped after (the update that follows starts from none)."""
-    from rlver.loss_positions import policy_logprobs
+    from rlver.modeling.loss_positions import policy_logprobs
 
     ids = torch.randint(0, 256, (3, 48), generator=torch.Generator().manual_seed(200 + rank))
     ids[:, :40] = ids[0, :40]
@@ -266,7 +266,7 @@ def _mixed_precision_worker(rank: int) -> dict[str, Any]:
     gradient reductions), after one forward and backward."""
     from torch.distributed.fsdp import MixedPrecision
 
-    from rlver.distributed import fsdp1_wrap, full_precision_reductions
+    from rlver.parallel.sharding import fsdp1_wrap, full_precision_reductions
 
     lightning_bf16_mixed = MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
     result = {}
@@ -297,9 +297,9 @@ class _TinyPolicyModule:
     def create(policy: str) -> Any:
         import lightning as L
 
-        from rlver.checkpoint_io import use_rlver_checkpoint_io
-        from rlver.distributed import shard_for_strategy
-        from rlver.full_weights import gathered_for_generation
+        from rlver.checkpoint.io import use_rlver_checkpoint_io
+        from rlver.parallel.full_weights import gathered_for_generation
+        from rlver.parallel.sharding import shard_for_strategy
 
         class TinyPolicy(L.LightningModule):
             def __init__(self, policy: str = "tiny") -> None:
@@ -351,7 +351,7 @@ def _lightning_worker(rank: int, flavor: str, root: str, policy: str) -> dict[st
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from rlver.distributed import AnyDeviceFSDPStrategy
+    from rlver.parallel.sharding import AnyDeviceFSDPStrategy
 
     if flavor == "fsdp1":
         strategy: Any = AnyDeviceFSDPStrategy(state_dict_type="sharded")
@@ -371,7 +371,7 @@ def _lightning_worker(rank: int, flavor: str, root: str, policy: str) -> dict[st
     module = _TinyPolicyModule.create(policy)
     trainer.fit(module)
     trainer.save_checkpoint(Path(root) / "last.ckpt")
-    # torch's own gather, independent of rlver.distributed; no cpu_offload: under FSDP1 with a
+    # torch's own gather, independent of rlver.parallel.sharding; no cpu_offload: under FSDP1 with a
     # CPU compute device, torch 2.13's offload path segfaults
     options = StateDictOptions(full_state_dict=True)
     return {
@@ -517,7 +517,7 @@ def test_bf16_mixed_keeps_buffers_and_gradient_reductions_in_float32(sharded_res
 def test_lightning_sharded_checkpoint_reads_back_full_weights(flavor, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlver.export import load_policy_state
+    from rlver.checkpoint.export import load_policy_state
 
     folder = tmp_path / "tiny"
     _tiny_llama(0).save_pretrained(folder)
@@ -574,7 +574,7 @@ def test_lightning_sharded_checkpoint_reads_back_full_weights(flavor, tmp_path):
 
 
 def test_a_swap_interrupted_anywhere_leaves_one_whole_checkpoint(tmp_path):
-    from rlver.checkpoint_io import recover_checkpoints, swap_in
+    from rlver.checkpoint.io import recover_checkpoints, swap_in
 
     def folder(name, marker):
         path = tmp_path / name

@@ -21,10 +21,10 @@ from rlver_plugins.embedded_user.lines import GOODBYES
 from rlver_plugins.embedded_user.rubric import CRITERIA, Rubric, RubricSettings, TurnContext, extract_features
 from rlver_plugins.embedded_user.text import garble_reason
 
-import rlver.hookspecs
+import rlver.core.hookspecs
+from rlver.core.interfaces import UserSession, UserSimulator
+from rlver.core.types import HiddenTheme, Personality, Profile
 from rlver.data.profiles import builtin_sets, load_profiles
-from rlver.interfaces import UserSession, UserSimulator
-from rlver.types import HiddenTheme, Personality, Profile
 
 OFFICIAL_SAMPLE = (
     pathlib.Path(__file__).resolve().parents[2] / "shared/data/rlver_train_profiles_sample.jsonl"
@@ -249,7 +249,7 @@ CONTEXT = TurnContext(user_text="My brother skipped the birthday party.")
 # --------------------------------------------------------------------------- plugin contract
 def test_registers_as_embedded_through_the_hook():
     manager = pluggy.PluginManager("rlver")
-    manager.add_hookspecs(rlver.hookspecs)
+    manager.add_hookspecs(rlver.core.hookspecs)
     manager.register(embedded_user)
     registered = []
     manager.hook.rlver_register_simulators(register=lambda name, factory: registered.append((name, factory)))

@@ -1,6 +1,6 @@
 import pytest
 
-from rlver.emotion import DIFFICULTIES, Difficulty, apply_change, band, resolve_difficulty, termination
+from rlver.core.emotion import DIFFICULTIES, Difficulty, apply_change, band, resolve_difficulty, termination
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ import torch
 from rlver_plugins.formats import NoThinkFormat
 from rlver_plugins.hf_engine import HFEngine
 
-from rlver.interfaces import SamplingSettings
-from rlver.models import load_policy
-from rlver.rollout import RolloutRunner, RolloutSettings
+from rlver.core.interfaces import SamplingSettings
+from rlver.modeling.models import load_policy
+from rlver.rollout.runner import RolloutRunner, RolloutSettings
 from tests.test_rollout import ScriptedSimulator, assert_masks_cover_exactly_the_sampled_ids, make_profile
 
 pytestmark = pytest.mark.slow

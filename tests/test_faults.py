@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from rlver.checkpoint_io import read_checkpoint_state
+from rlver.checkpoint.io import read_checkpoint_state
 from tests.test_multiprocess import launch, lay_out_data, read_scalars, run_fit, twin_config
 
 pytestmark = pytest.mark.slow

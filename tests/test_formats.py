@@ -1,7 +1,7 @@
 import pytest
 from rlver_plugins.formats import NoThinkFormat, ThinkFormat
 
-from rlver.types import Profile
+from rlver.core.types import Profile
 
 PROFILE_EN = Profile("p", "player", "scene", "passive", ("a", "b", "c"), "You want deep empathy.")
 PROFILE_ZH = Profile("q", "玩家", "场景", "被动型", ("内向",), "你希望对方深刻共情你的感受")
@@ -79,7 +79,7 @@ def test_unknown_language_is_rejected():
 
 
 def test_registered_through_rlver_register_formats():
-    from rlver.plugins import get_registry
+    from rlver.core.plugins import get_registry
 
     registry = get_registry()
     assert registry.get("formats", "think").factory is ThinkFormat

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlver.data.profiles import ProfileError, load_profiles, resolve_profile_path
-from rlver.score import ScoreError, load_scored_file
+from rlver.evaluate.score import ScoreError, load_scored_file
 from tests.conftest import REPO
 
 # parse_recipe hands LightningCLI its args while pytest's own are in sys.argv: its warning, 200 times.

@@ -8,9 +8,9 @@ from rlver_plugins.formats import NoThinkFormat
 from rlver_plugins.sage_user import SageUserSimulator
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer, call_kind
 
+from rlver.core.interfaces import Generation, RolloutEngine
 from rlver.data.profiles import load_profile_sets
-from rlver.interfaces import Generation, RolloutEngine
-from rlver.rollout import RolloutRunner, RolloutSettings
+from rlver.rollout.runner import RolloutRunner, RolloutSettings
 from tests.test_sage_user import FAST, person
 
 pytestmark = pytest.mark.slow  # the real tokenizer (policy fixture)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlver.callbacks import BeforeAfter, heldout_scores
-from rlver.intervals import mean_interval, paired_by_key, paired_change, per_user_means
+from rlver.evaluate.intervals import mean_interval, paired_by_key, paired_change, per_user_means
+from rlver.train.callbacks import BeforeAfter, heldout_scores
 
 
 def test_mean_interval_matches_the_hand_computed_t_interval():

@@ -10,8 +10,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlver.batch import token_logprobs
-from rlver.lora import LoraSettings, adapter_disabled, add_adapter, inference_state_dict, trainable_names
+from rlver.modeling.batch import token_logprobs
+from rlver.modeling.lora import (
+    LoraSettings,
+    adapter_disabled,
+    add_adapter,
+    inference_state_dict,
+    trainable_names,
+)
 
 
 def adapted(model_dir, seed=0):
@@ -63,7 +69,7 @@ def test_the_adapter_switched_off_is_the_base_model(tiny_model_dir):
 
 @pytest.mark.slow
 def test_lora_quickstart_twin_trains_syncs_vllm_checkpoints_the_adapter_and_exports(tmp_path, tiny_model_dir):
-    from rlver.checkpoint_io import read_checkpoint_state
+    from rlver.checkpoint.io import read_checkpoint_state
     from tests.conftest import run_cli
     from tests.test_multiprocess import read_scalars, run_fit, twin_config
 
@@ -119,9 +125,9 @@ def test_lora_quickstart_twin_trains_syncs_vllm_checkpoints_the_adapter_and_expo
 
 def test_the_hf_engine_samples_from_the_adapted_policy(tiny_model_dir):
     """hf generates with the peft model itself: its log-probs are the adapted policy's, not the base's."""
-    from rlver.interfaces import SamplingSettings
-    from rlver.models import Policy, load_tokenizer
-    from rlver.plugins import get_registry
+    from rlver.core.interfaces import SamplingSettings
+    from rlver.core.plugins import get_registry
+    from rlver.modeling.models import Policy, load_tokenizer
 
     model = adapted(tiny_model_dir)
     policy = Policy(
@@ -149,7 +155,7 @@ def test_lora_under_fsdp_on_two_processes_trains_syncs_vllm_and_checkpoints_the_
     import yaml
     from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-    from rlver.checkpoint_io import read_checkpoint_state
+    from rlver.checkpoint.io import read_checkpoint_state
     from tests.test_multiprocess import digests, lay_out_data, read_scalars, run_fit, twin_config
 
     lay_out_data(tmp_path)

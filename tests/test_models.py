@@ -11,10 +11,10 @@ import pytest
 
 from tests.conftest import REPO
 
-# As `rlver` runs it: the libraries' chatter and bars quieted first (rlver.console).
+# As `rlver` runs it: the libraries' chatter and bars quieted first (rlver.core.console).
 CONVERT = (
-    "from rlver.console import quiet_libraries; quiet_libraries(); "
-    "from rlver.models import embedded_model_folder; print(embedded_model_folder())"
+    "from rlver.core.console import quiet_libraries; quiet_libraries(); "
+    "from rlver.modeling.models import embedded_model_folder; print(embedded_model_folder())"
 )
 
 
@@ -39,7 +39,7 @@ def test_the_conversion_parses_the_gguf_once_and_puts_the_libraries_back():
     import importlib.util
     from pathlib import Path
 
-    from rlver import models
+    from rlver.modeling import models
 
     spec = importlib.util.find_spec(models._GGUF_PACKAGE)
     path = Path(spec.submodule_search_locations[0]) / models._GGUF_FILE

@@ -22,7 +22,7 @@ import torch
 import yaml
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-from rlver.checkpoint_io import read_checkpoint_state
+from rlver.checkpoint.io import read_checkpoint_state
 from tests.conftest import OFFICIAL_SAMPLE, REPO, run_cli, run_rlver, start_rlver
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def twin_config(
     strategy = trainer.get("strategy")
     if isinstance(strategy, dict) and strategy["class_path"].endswith("FSDPStrategy"):
         # Lightning's FSDPStrategy refuses CPUs; this subclass differs only in allowing them.
-        trainer["strategy"] = {**strategy, "class_path": "rlver.distributed.AnyDeviceFSDPStrategy"}
+        trainer["strategy"] = {**strategy, "class_path": "rlver.parallel.sharding.AnyDeviceFSDPStrategy"}
         assert trainer["strategy"]["init_args"] == strategy["init_args"]
     else:
         trainer["strategy"] = "ddp" if devices > 1 else "auto"
@@ -167,7 +167,7 @@ def _whiten_on_rank(rank, port, out, rewards, values):
     import torch.distributed as dist
     from rlver_plugins.advantages import GAEEstimator
 
-    from rlver.interfaces import AdvantageBatch
+    from rlver.core.interfaces import AdvantageBatch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -214,7 +214,7 @@ def test_ppo_advantages_whitened_over_two_ranks_equal_one_process(tmp_path):
     """One dialogue per rank, as in the paper's PPO recipes: the reward must survive whitening."""
     from rlver_plugins.advantages import GAEEstimator
 
-    from rlver.interfaces import AdvantageBatch
+    from rlver.core.interfaces import AdvantageBatch
 
     values = [[0.1, 0.3, 0.2], [0.2, 0.1, 0.4]]
     split = whiten_on_two_ranks(tmp_path, [0.0, 1.0], values)

@@ -21,7 +21,7 @@ import pytest
 from rlver_plugins.sage_user.official import ReferenceUserSimulator, SageOfficialSimulator, reference_source
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-from rlver.types import Profile
+from rlver.core.types import Profile
 from tests.conftest import REPO
 
 PROTOCOL = REPO.parent / "shared" / "sage-protocol"
@@ -376,8 +376,8 @@ def test_rlver_reference_matches_the_reference_code(tmp_path, monkeypatch):
 def test_the_think_format_keeps_a_prompt_that_asks_for_think_tags_and_extends_one_that_does_not():
     from rlver_plugins.formats import NoThinkFormat, ThinkFormat
 
-    from rlver.interfaces import UserSimulator
-    from rlver.rollout import RolloutRunner
+    from rlver.core.interfaces import UserSimulator
+    from rlver.rollout.runner import RolloutRunner
 
     class Protocol(UserSimulator):
         def __init__(self, prompt):

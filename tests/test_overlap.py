@@ -8,16 +8,16 @@ import threading
 import pytest
 import torch
 
-from rlver.interfaces import ParsedReply
-from rlver.overlap import (
+from rlver.core.interfaces import ParsedReply
+from rlver.core.trajectory import PolicyTurn, Trajectory
+from rlver.core.types import UserTurn
+from rlver.rollout.overlap import (
     OverlapSettings,
     RolloutPipeline,
     behaviour_correction,
     trajectories_from_json,
     trajectories_to_json,
 )
-from rlver.trajectory import PolicyTurn, Trajectory
-from rlver.types import UserTurn
 from tests.test_rollout import make_profile
 
 

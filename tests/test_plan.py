@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
-from rlver.architectures import Architecture, resolve_architecture, shipped_architectures
 from rlver.cli import main, parse_recipe
-from rlver.lora import DEFAULT_TARGETS, LoraSettings
-from rlver.memory_plan import GIB, check_fits, failures, plan_memory, plan_recipe, raise_if_over
-from rlver.training_shape import TrainingShape, training_shape
+from rlver.modeling.lora import DEFAULT_TARGETS, LoraSettings
+from rlver.plan.architectures import Architecture, resolve_architecture, shipped_architectures
+from rlver.plan.memory_plan import GIB, check_fits, failures, plan_memory, plan_recipe, raise_if_over
+from rlver.plan.training_shape import TrainingShape, training_shape
 from tests.conftest import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -98,7 +98,7 @@ def test_lora_parameters_by_hand_and_as_peft_builds_them():
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlver.lora import add_adapter
+    from rlver.modeling.lora import add_adapter
 
     config = json.loads(shipped_architectures()["qwen2.5-0.5b-instruct"].read_text())
     with torch.device("meta"):
@@ -194,7 +194,7 @@ def test_ppo_think_every_phase_by_hand():
     awake = 0.8 * 80 * GIB
     gathered_scoring = (POLICY_ROOT + CRITIC_ROOT + LAYER) * 2  # roots stay gathered, + one layer, bf16
     hidden = tokens * (2 * H + 3 * INTER) * 2
-    chunk = 1024 * V  # the vocabulary maths 1,024 rows at a time (rlver.batch.in_vocab_chunks)
+    chunk = 1024 * V  # the vocabulary maths 1,024 rows at a time (rlver.modeling.batch.in_vocab_chunks)
     logits_scoring = tokens * V * 2 + chunk * (4 + 4)  # bf16 logits; a chunk's float32 copy, log-softmax
     gathered_update = (POLICY_ROOT + CRITIC_ROOT + 2 * LAYER) * 2  # + the prefetched layer
     checkpointed = 2 * LAYERS * tokens * H * 2  # each layer's bf16 input, policy and critic
@@ -372,10 +372,10 @@ def test_a_recipe_whose_config_cannot_be_found_exits_2(tmp_path, capsys):
 
 def test_a_run_reads_as_its_recipe(tmp_path):
     """`rlver fit`'s check sees the shape `rlver plan` prints for the same recipe."""
-    from rlver.module import RLVERModule
-    from rlver.plugins import plain_config
-    from rlver.trainer import Trainer
-    from rlver.training_shape import shape_from_recipe, shape_from_run
+    from rlver.core.plugins import plain_config
+    from rlver.plan.training_shape import shape_from_recipe, shape_from_run
+    from rlver.train.module import RLVERModule
+    from rlver.train.trainer import Trainer
 
     recipe = recipe_copy(tmp_path, "quickstart_lora", trainer__precision="bf16-mixed")
     config = quiet_parse(recipe)

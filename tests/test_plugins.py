@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from rlver import hookimpl, hookspecs
-from rlver.plugins import REGISTRATION_HOOKS, PluginError, Registry, get_registry
+from rlver.core.plugins import REGISTRATION_HOOKS, PluginError, Registry, get_registry
 from tests.conftest import REPO, run_cli
 
 HOOK_NAMES = sorted(name for name in dir(hookspecs) if name.startswith("rlver_"))
@@ -159,8 +159,8 @@ def test_disabling_a_plugin_by_environment(monkeypatch):
 THIRD_PARTY_MODULE = """
 import json, os
 from rlver import hookimpl
-from rlver.interfaces import UserSession, UserSimulator
-from rlver.types import UserTurn
+from rlver.core.interfaces import UserSession, UserSimulator
+from rlver.core.types import UserTurn
 
 
 class EchoSession(UserSession):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlver.batch import RolloutBatch, token_logprobs
-from rlver.ppo_update import Lockstep, PPOSettings, ppo_update
+from rlver.modeling.batch import RolloutBatch, token_logprobs
+from rlver.train.ppo_update import Lockstep, PPOSettings, ppo_update
 from tests.conftest import small_llama
 
 
@@ -76,8 +76,8 @@ def _networks(tmp_path, algorithm: str, lora: bool, kl: bool):
     """Policy (perturbed away from its reference when there is a KL), reference or None, critic or None."""
     import copy
 
-    from rlver.critic import ValueModel
-    from rlver.lora import LoraSettings, add_adapter
+    from rlver.modeling.critic import ValueModel
+    from rlver.modeling.lora import LoraSettings, add_adapter
 
     policy = _tiny_llama()
     reference = None
@@ -107,7 +107,7 @@ def _one_update(
     prompt: int = 0, share: bool = True,
 ):  # fmt: skip
     """One update on 5 sequences; with `prompt` > 0 they start with that many common tokens."""
-    from rlver.scoring import logprob_metrics, score_tokens
+    from rlver.train.scoring import logprob_metrics, score_tokens
 
     policy, reference, critic = _networks(tmp_path, algorithm, lora, kl)
     generator = torch.Generator().manual_seed(6)
@@ -164,10 +164,10 @@ def test_the_on_policy_update_without_a_scoring_pass_equals_the_scored_one(
     the path rlver took before (a scoring pass, the head at every position). The new path does its
     vocabulary maths in chunks of 3 rows (1 position of a 2-row micro-batch), recomputed in the
     backward; the old one in one pass."""
-    import rlver.batch
+    import rlver.modeling.batch
 
     scored = _one_update(tmp_path, algorithm, lora, kl, scored=True, head_at_loss_positions=False)
-    monkeypatch.setattr(rlver.batch, "VOCAB_ROWS_PER_CHUNK", 3)
+    monkeypatch.setattr(rlver.modeling.batch, "VOCAB_ROWS_PER_CHUNK", 3)
     unscored = _one_update(
         tmp_path, algorithm, lora, kl, scored=False, head_at_loss_positions=head != "every-position"
     )
@@ -198,10 +198,10 @@ def test_a_prompt_the_sequences_share_run_once_gives_the_same_update(
     """Five sequences opening with the same 40 tokens (a GRPO group's prompt): scoring's passes
     (policy, reference, the adapter-off reference) and the update's run the prompt once per
     micro-batch; log-probs, metrics, gradients and weights after the step equal the plain passes'."""
-    import rlver.shared_prefix
+    import rlver.modeling.shared_prefix
 
     lengths = []
-    original = rlver.shared_prefix.causal_lm_logits
+    original = rlver.modeling.shared_prefix.causal_lm_logits
 
     def counting(model, input_ids, *args, **kwargs):
         calls = []
@@ -212,7 +212,7 @@ def test_a_prompt_the_sequences_share_run_once_gives_the_same_update(
             hook.remove()
             lengths.append([tuple(shape) for shape in calls])
 
-    monkeypatch.setattr(rlver.loss_positions, "causal_lm_logits", counting)
+    monkeypatch.setattr(rlver.modeling.loss_positions, "causal_lm_logits", counting)
     plain = _one_update(tmp_path, algorithm, lora, kl, scored, prompt=40, share=False)
     assert all(calls == [calls[0]] and calls[0][1] == 54 for calls in lengths), lengths  # whole rows
     lengths.clear()
@@ -242,7 +242,7 @@ def test_a_shared_prompt_needs_a_plain_cache_no_checkpointing_and_enough_tokens(
     """The cases the shared pass leaves to the plain one: too short a common prompt, a needed
     logit inside it, gradient checkpointing in training (its layers drop the cache) and a model
     whose cache is not plain full attention (found once, then remembered)."""
-    from rlver.shared_prefix import MIN_SHARED_TOKENS, causal_lm_logits, shared_prefix_length
+    from rlver.modeling.shared_prefix import MIN_SHARED_TOKENS, causal_lm_logits, shared_prefix_length
 
     ids = torch.randint(0, 512, (3, 60), generator=torch.Generator().manual_seed(8))
     ids[:, :45] = ids[0, :45]
@@ -287,7 +287,7 @@ def test_a_shared_prompt_needs_a_plain_cache_no_checkpointing_and_enough_tokens(
 
 
 def test_several_optimizer_steps_keep_the_scoring_pass():
-    from rlver.scoring import has_active_dropout, on_policy_update
+    from rlver.train.scoring import has_active_dropout, on_policy_update
 
     model = _tiny_llama()
     one_step = PPOSettings()
@@ -317,9 +317,9 @@ def test_several_optimizer_steps_keep_the_scoring_pass():
 @pytest.mark.parametrize("rows_per_chunk", [1024, 5])
 def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads(monkeypatch, rows_per_chunk):
     """Also with the vocabulary maths in chunks of 5 rows (positions 1 at a time for 3 rows)."""
-    import rlver.batch
-    from rlver.batch import token_logprobs
-    from rlver.loss_positions import loss_positions, policy_logprobs
+    import rlver.modeling.batch
+    from rlver.modeling.batch import token_logprobs
+    from rlver.modeling.loss_positions import loss_positions, policy_logprobs
     from rlver.rl.losses import entropy_from_logits
 
     model = _tiny_llama()
@@ -333,7 +333,7 @@ def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads(monkey
         full = model(input_ids=ids, attention_mask=attention).logits
         expected = token_logprobs(full, ids, temperature) * mask
         expected_entropy = entropy_from_logits(full[:, :-1][mask[:, 1:].bool()], temperature).mean()
-        monkeypatch.setattr(rlver.batch, "VOCAB_ROWS_PER_CHUNK", rows_per_chunk)
+        monkeypatch.setattr(rlver.modeling.batch, "VOCAB_ROWS_PER_CHUNK", rows_per_chunk)
         got, entropy = policy_logprobs(model, ids, attention, mask, temperature, with_entropy=True)
         monkeypatch.undo()
         torch.testing.assert_close(got * mask, expected, atol=1e-5, rtol=0)
@@ -349,8 +349,8 @@ def test_log_probs_and_entropy_at_the_loss_positions_equal_the_full_heads(monkey
 def test_a_model_without_logits_to_keep_gets_every_positions_head_and_a_placeholder_keeps_the_head_in_the_graph():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlver.batch import token_logprobs
-    from rlver.loss_positions import accepts_logits_to_keep, policy_logprobs
+    from rlver.modeling.batch import token_logprobs
+    from rlver.modeling.loss_positions import accepts_logits_to_keep, policy_logprobs
 
     class PlainForward(torch.nn.Module):
         def __init__(self, inner):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlver.precision import cpu_bf16, resolve_dtype, resolve_precision
+from rlver.modeling.precision import cpu_bf16, resolve_dtype, resolve_precision
 from tests.conftest import REPO
 
 AVX512 = {"avx2", "avx512f", "avx512bw", "avx512vl"}
@@ -45,7 +45,7 @@ EMULATION = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 def run_resolution(env, drop=()):
     code = (
-        "from rlver.precision import resolve_precision, resolve_dtype;"
+        "from rlver.modeling.precision import resolve_precision, resolve_dtype;"
         "print(resolve_precision('auto', 'cpu')[0], resolve_dtype('auto', 'cpu')[0])"
     )
     result = subprocess.run(

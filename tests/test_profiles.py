@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
+from rlver.core.types import HiddenTheme, Personality, theme_from_text
 from rlver.data.datamodule import ProfileDataModule
 from rlver.data.profiles import ProfileError, load_profile_sets, load_profiles, parse_profile
-from rlver.types import HiddenTheme, Personality, theme_from_text
 from tests.conftest import OFFICIAL_SAMPLE
 
 GOOD = {

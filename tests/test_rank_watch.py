@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from rlver.rank_watch import FailureBoard, FailureWatcher, RankFailureWatch
-from rlver.trainer import Trainer
+from rlver.parallel.rank_watch import FailureBoard, FailureWatcher, RankFailureWatch
+from rlver.train.trainer import Trainer
 
 
 def _free_port():
@@ -115,7 +115,7 @@ RANK_SCRIPT = textwrap.dedent("""
     import sys, time
     import lightning as L
     import torch
-    from rlver.trainer import Trainer
+    from rlver.train.trainer import Trainer
 
     class Stuck(L.Callback):
         def on_exception(self, trainer, pl_module, exception):

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlver.cli import parse_recipe
-from rlver.module import RLVERModule
-from rlver.plugins import plain_config
-from rlver.scoring import eval_mode as _eval_mode
+from rlver.core.plugins import plain_config
+from rlver.train.module import RLVERModule
+from rlver.train.scoring import eval_mode as _eval_mode
 from tests.conftest import REPO, small_llama
 
 RECIPES = sorted(path.stem for path in (REPO / "recipes").glob("*.yaml"))
@@ -28,7 +28,7 @@ def small_vocab_model(tmp_path_factory):
     """A 1-layer Llama with a 512-word vocabulary and the embedded tokenizer (ids below 512 only)."""
     from transformers import AutoTokenizer
 
-    from rlver.models import resolve_model_path
+    from rlver.modeling.models import resolve_model_path
 
     folder = tmp_path_factory.mktemp("small-vocab")
     small_llama().save_pretrained(folder)
@@ -38,7 +38,7 @@ def small_vocab_model(tmp_path_factory):
 
 def recipe_module(recipe: str, model_dir, **overrides) -> tuple[RLVERModule, object]:
     """The recipe's module and Trainer, with only the model (and the simulator: no endpoint) swapped."""
-    from rlver.trainer import Trainer
+    from rlver.train.trainer import Trainer
 
     config = parse_recipe(str(REPO / "recipes" / f"{recipe}.yaml"))
     options = plain_config(config.model)
@@ -138,7 +138,7 @@ def test_in_reward_kl_is_refused_with_a_group_baseline():
 
 def test_old_logprobs_are_scored_with_dropout_off(small_vocab_model):
     """With LoRA dropout the train-mode log-probs are random; the scored ones are the eval-mode ones."""
-    from rlver.batch import token_logprobs
+    from rlver.modeling.batch import token_logprobs
 
     module, _ = recipe_module(
         "ppo_think_lora", small_vocab_model, lora={"rank": 4, "alpha": 8, "dropout": 0.5}
@@ -163,14 +163,14 @@ def test_old_logprobs_are_scored_with_dropout_off(small_vocab_model):
     old, _, values = module._score_tokens(batch)
     torch.testing.assert_close(old, evaluated)
     assert values is not None and model.training and module.value_model.training  # modes restored
-    from rlver.scoring import on_policy_update
+    from rlver.train.scoring import on_policy_update
 
     # the update's train-mode log-probs are not the sampling policy's: the scoring pass stays
     assert not on_policy_update(module.ppo, 1, model, lambda value: value)
 
 
 def test_rollouts_with_an_engine_of_its_own_run_outside_autocast(small_vocab_model):
-    from rlver.interfaces import RolloutEngine
+    from rlver.core.interfaces import RolloutEngine
 
     seen = []
 

@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 from rlver.cli import parse_recipe
+from rlver.core.plugins import get_registry, split_spec
 from rlver.data.datamodule import ProfileDataModule
-from rlver.module import PPOSettings
-from rlver.plugins import get_registry, split_spec
-from rlver.rollout import RolloutSettings
+from rlver.rollout.runner import RolloutSettings
+from rlver.train.module import PPOSettings
 from tests.conftest import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

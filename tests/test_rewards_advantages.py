@@ -5,10 +5,10 @@ import torch
 from rlver_plugins.advantages import GAEEstimator, GRPOEstimator
 from rlver_plugins.rewards import EmotionGainReward, FinalEmotionReward, FormatReward
 
-from rlver.interfaces import AdvantageBatch, ParsedReply
-from rlver.plugins import get_registry
-from rlver.rollout import PolicyTurn, Trajectory
-from rlver.types import Profile, UserTurn
+from rlver.core.interfaces import AdvantageBatch, ParsedReply
+from rlver.core.plugins import get_registry
+from rlver.core.types import Profile, UserTurn
+from rlver.rollout.runner import PolicyTurn, Trajectory
 
 PROFILE = Profile("p", "player", "scene", "passive", ("a",), "You want deep empathy.")
 

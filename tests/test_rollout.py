@@ -6,10 +6,10 @@ import pytest
 from rlver_plugins.formats import NoThinkFormat, ThinkFormat
 from rlver_plugins.hf_engine import HFEngine
 
-from rlver.interfaces import Generation, ParsedReply, RolloutEngine, UserSession, UserSimulator
-from rlver.rollout import PolicyTurn, RolloutRunner, RolloutSettings, pack_sequences, summarize
-from rlver.transcripts import TranscriptWriter, read_transcripts
-from rlver.types import Profile, UserTurn
+from rlver.core.interfaces import Generation, ParsedReply, RolloutEngine, UserSession, UserSimulator
+from rlver.core.types import Profile, UserTurn
+from rlver.rollout.runner import PolicyTurn, RolloutRunner, RolloutSettings, pack_sequences, summarize
+from rlver.rollout.transcripts import TranscriptWriter, read_transcripts
 
 
 def make_profile(pid, first_talk="My sister moved away and I feel lost.", **extra):

@@ -11,10 +11,10 @@ from rlver_plugins.hf_engine import HFEngine
 from rlver_plugins.sage_user import SageUserSimulator
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
-from rlver.interfaces import SimulatorUnavailable
-from rlver.models import load_policy
-from rlver.rollout import RolloutRunner, RolloutSettings, StopRequested
-from rlver.types import UserTurn
+from rlver.core.interfaces import SimulatorUnavailable
+from rlver.core.types import UserTurn
+from rlver.modeling.models import load_policy
+from rlver.rollout.runner import RolloutRunner, RolloutSettings, StopRequested
 from tests.test_rollout import ScriptedSession, ScriptedSimulator, make_profile
 
 

@@ -24,8 +24,8 @@ from rlver_plugins.sage_user.parsing import ParseFailure, parse_planning, parse_
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer, call_kind
 from rlver_plugins.sage_user.simulator import says_goodbye
 
-from rlver.emotion import DIFFICULTIES
-from rlver.types import Profile
+from rlver.core.emotion import DIFFICULTIES
+from rlver.core.types import Profile
 from tests.conftest import REPO, make_tiny_model, run_cli
 
 # A timeout no answer of the scripted server nears, however loaded the machine (its injected
@@ -598,9 +598,9 @@ def test_dialogues_against_a_real_vllm_server(tmp_path, vllm_user_endpoint, resp
 def test_the_policys_thinking_never_reaches_the_user_model(policy):
     from rlver_plugins.formats import ThinkFormat
 
-    from rlver.interfaces import Generation, RolloutEngine
-    from rlver.rollout import RolloutRunner, RolloutSettings
-    from rlver.transcripts import to_sage_record
+    from rlver.core.interfaces import Generation, RolloutEngine
+    from rlver.rollout.runner import RolloutRunner, RolloutSettings
+    from rlver.rollout.transcripts import to_sage_record
 
     class FixedReplyEngine(RolloutEngine):
         """Answers every prompt with the same thinking-format completion."""

@@ -5,10 +5,10 @@ from itertools import pairwise
 
 import pytest
 
+from rlver.core.interfaces import ParsedReply
+from rlver.core.types import UserTurn
 from rlver.data.profiles import ProfileError, load_profiles
-from rlver.interfaces import ParsedReply
-from rlver.rollout import PolicyTurn, Trajectory
-from rlver.score import (
+from rlver.evaluate.score import (
     dialogue_emotions,
     leaderboard_markdown,
     leaderboard_rows,
@@ -16,8 +16,8 @@ from rlver.score import (
     mean_trajectory,
     score_records,
 )
-from rlver.transcripts import SAGE_FIELDS, TranscriptWriter, read_transcripts, to_sage_record
-from rlver.types import UserTurn
+from rlver.rollout.runner import PolicyTurn, Trajectory
+from rlver.rollout.transcripts import SAGE_FIELDS, TranscriptWriter, read_transcripts, to_sage_record
 from tests.conftest import SHARED, run_cli
 from tests.test_rollout import make_profile
 

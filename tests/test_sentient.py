@@ -15,7 +15,7 @@ import yaml
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer, call_kind
 
 from rlver.data.profiles import load_profiles
-from rlver.transcripts import SAGE_FIELDS
+from rlver.rollout.transcripts import SAGE_FIELDS
 from tests.conftest import REPO, run_cli
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from rlver.checkpoint_io import read_checkpoint_state
+from rlver.checkpoint.io import read_checkpoint_state
 from tests.test_multiprocess import launch, lay_out_data, run_fit, twin_config
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import textwrap
 import pytest
 import torch
 
-from rlver.batch import token_logprobs
-from rlver.module import PPOSettings, actor_loss
+from rlver.modeling.batch import token_logprobs
+from rlver.train.module import PPOSettings, actor_loss
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow

@@ -10,13 +10,13 @@ import torch
 from rlver_plugins.advantages import GAEEstimator, TurnCreditEstimator, TurnGAEEstimator
 from rlver_plugins.rewards import EmotionChangeReward, FinalEmotionReward
 
-from rlver.batch import build_batch
-from rlver.interfaces import AdvantageBatch, ParsedReply
+from rlver.core.interfaces import AdvantageBatch, ParsedReply
+from rlver.core.types import Profile, UserTurn
+from rlver.modeling.batch import build_batch
 from rlver.rl.advantages import turn_end_rewards
 from rlver.rl.metrics import turn_metrics
-from rlver.rollout import PolicyTurn, Trajectory
-from rlver.scoring import score_dialogues
-from rlver.types import Profile, UserTurn
+from rlver.rollout.runner import PolicyTurn, Trajectory
+from rlver.train.scoring import score_dialogues
 
 PROFILE = Profile("p", "player", "scene", "passive", ("a",), "You want deep empathy.")
 T = torch.tensor

@@ -101,7 +101,7 @@ class WarmLauncher:
         self.parked: dict | None = None  # the warm process of the environment before the last change
 
     def _start_env(self) -> dict[str, str]:
-        from rlver.console import QUIET_ENVIRONMENT, verbose_in
+        from rlver.core.console import QUIET_ENVIRONMENT, verbose_in
 
         env = {**os.environ, "PYTHONPATH": self.repo}
         if not verbose_in(env):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlver import hookimpl
-from rlver.interfaces import AdvantageBatch, AdvantageEstimator, AdvantageResult
+from rlver.core.interfaces import AdvantageBatch, AdvantageEstimator, AdvantageResult
 from rlver.rl.advantages import (
     broadcast_turns,
     gae,

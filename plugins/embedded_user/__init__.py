@@ -1,7 +1,7 @@
 """The default user simulator, "embedded": a rule-based affective user that needs no LLM."""
 
 from rlver import hookimpl
-from rlver.hookspecs import Register
+from rlver.core.hookspecs import Register
 
 from .simulator import EmbeddedUserSession, EmbeddedUserSimulator
 

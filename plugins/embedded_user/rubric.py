@@ -35,7 +35,7 @@ Each turn's planning record (`UserTurn.reason`) is a dict with the keys:
     signal       what the user reacts to most: "garbled", "repetition",
                  "stuffing", "hurt", "missed", "met" or None
     raw_change   the rubric's change before difficulty scaling and clamping
-    change       the change actually applied (rlver.emotion.apply_change)
+    change       the change actually applied (rlver.core.emotion.apply_change)
     emotion      the emotion after this turn
     band         its band: S, A, B, C or F
     analysis     one line in words: theme, strongest criteria, the numbers
@@ -49,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from rlver.types import HiddenTheme, Personality
+from rlver.core.types import HiddenTheme, Personality
 
 from .cues import Lexicon, lexicon_for
 from .text import (

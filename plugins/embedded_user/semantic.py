@@ -27,7 +27,7 @@ Features (FEATURES), each a plain number:
                reply, stood in for it and earned repeating a positive weight)
 
 The map (calibration.json) is fitted by benchmarks/calibrate_embedded_user.py on the tune split
-of the shared recorded dialogues only (rlver.agreement.split_of); the held-out split measures it.
+of the shared recorded dialogues only (rlver.evaluate.agreement.split_of); the held-out split measures it.
 The rubric's change enters with a fixed weight of 0.5. Cross-validated on the tune split, a
 smaller share agrees with SAGE a little better (per-turn r 0.61 at 0, 0.60 at 0.25, 0.58 at
 0.5, 0.49 at 1), but below 0.5 a reply that violates the user's need beat one that meets it on two

@@ -2,7 +2,7 @@
 
 It follows the SAGE loop without the two LLM calls: a transparent rubric
 (`rubric.py`) plays the planning step and yields a raw change; the shared
-mechanics in `rlver.emotion` scale, clamp and cap it and decide termination;
+mechanics in `rlver.core.emotion` scale, clamp and cap it and decide termination;
 `voice.py` plays the reply step from the profile's own story. The planning
 record on `UserTurn.reason` is documented in `rubric.py`.
 """
@@ -13,10 +13,17 @@ import dataclasses
 import random
 from typing import Any
 
-from rlver.emotion import Difficulty, apply_change, band, profile_difficulty, resolve_difficulty, termination
-from rlver.interfaces import UserSession, UserSimulator
-from rlver.seeding import stable_hash
-from rlver.types import Profile, UserTurn
+from rlver.core.emotion import (
+    Difficulty,
+    apply_change,
+    band,
+    profile_difficulty,
+    resolve_difficulty,
+    termination,
+)
+from rlver.core.interfaces import UserSession, UserSimulator
+from rlver.core.seeding import stable_hash
+from rlver.core.types import Profile, UserTurn
 
 from . import semantic
 from .rubric import Assessment, Rubric, RubricSettings, TurnContext

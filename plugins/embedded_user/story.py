@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from rlver.types import Profile, theme_from_text
+from rlver.core.types import Profile, theme_from_text
 
 from .text import chinese_content_bigrams, content_units, english_words, normalize, stem, word_set
 

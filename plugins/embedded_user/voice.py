@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from rlver.types import Personality, Profile
+from rlver.core.types import Personality, Profile
 
 from .lines import FEEDBACK, GOODBYES, OPENERS, REACTIONS, pick_language
 from .story import sim_hints, story_facts

@@ -9,8 +9,8 @@ the user.
 
 from __future__ import annotations
 
-from rlver.interfaces import ParsedReply, PromptFormat
-from rlver.types import Profile
+from rlver.core.interfaces import ParsedReply, PromptFormat
+from rlver.core.types import Profile
 
 # The Sentient benchmark's system prompt for the model under test, and ours in Chinese.
 BASE_PROMPTS = {

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
-from rlver.loss_positions import accepts_logits_to_keep
-from rlver.models import Policy
-from rlver.shared_prefix import plain_cache, sharable
+from rlver.core.interfaces import Generation, RolloutEngine, SamplingSettings
+from rlver.modeling.loss_positions import accepts_logits_to_keep
+from rlver.modeling.models import Policy
+from rlver.modeling.shared_prefix import plain_cache, sharable
 
 
 class _SampledLogprobRecorder(LogitsProcessor):
@@ -187,7 +187,7 @@ def _prefill_distinct(model: torch.nn.Module, input_ids: torch.Tensor, attention
     """The KV cache of the left-padded prompts but their last token, each distinct prompt run
     once: a GRPO group's members open with the same prompt, so a first turn's prefill shrinks by
     the group size. None when every prompt differs or the model's cache cannot be shared
-    (`rlver.shared_prefix`); generate() then prefills as usual. Positions as generate() derives
+    (`rlver.modeling.shared_prefix`); generate() then prefills as usual. Positions as generate() derives
     them from the attention mask."""
     rows, width = input_ids.shape
     if width < 2 or not sharable(model):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlver import hookimpl
-from rlver.interfaces import RewardFunction
-from rlver.rollout import Trajectory
+from rlver.core.interfaces import RewardFunction
+from rlver.core.trajectory import Trajectory
 
 
 def emotion_potential(emotion: float) -> float:

@@ -6,7 +6,7 @@
 """
 
 from rlver import hookimpl
-from rlver.hookspecs import Register
+from rlver.core.hookspecs import Register
 
 from .official import ReferenceUserSimulator, SageOfficialSimulator
 from .simulator import SageUserSession, SageUserSimulator

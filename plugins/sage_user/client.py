@@ -33,7 +33,7 @@ import httpx
 from aiolimiter import AsyncLimiter
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from rlver.interfaces import SimulatorUnavailable
+from rlver.core.interfaces import SimulatorUnavailable
 
 T = TypeVar("T")
 

@@ -45,10 +45,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rlver.emotion import DIFFICULTIES, termination
-from rlver.interfaces import SimulatorUnavailable, UserSession, UserSimulator
-from rlver.seeding import stable_hash
-from rlver.types import Profile, UserTurn
+from rlver.core.emotion import DIFFICULTIES, termination
+from rlver.core.interfaces import SimulatorUnavailable, UserSession, UserSimulator
+from rlver.core.seeding import stable_hash
+from rlver.core.types import Profile, UserTurn
 
 from .client import (
     ChatClient,

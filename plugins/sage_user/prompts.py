@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlver.emotion import Difficulty
-from rlver.types import Profile
+from rlver.core.emotion import Difficulty
+from rlver.core.types import Profile
 
 
 @dataclass(frozen=True)

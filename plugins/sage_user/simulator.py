@@ -1,7 +1,7 @@
 """The LLM-played user ("sage"): SAGE's two calls per turn against an OpenAI-compatible endpoint.
 
 Per turn and dialogue: a planning call judges the policy's reply as the persona
-and yields a signed change; the shared mechanics (`rlver.emotion`) scale, clamp
+and yields a signed change; the shared mechanics (`rlver.core.emotion`) scale, clamp
 and cap it and decide success or failure; a reply call answers in character
 from the band label and the planning's fit, inner reaction and feeling (never
 its content summary or number, as in SAGE). All active dialogues' calls run
@@ -25,10 +25,17 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from rlver.emotion import Difficulty, apply_change, band, profile_difficulty, resolve_difficulty, termination
-from rlver.interfaces import UserSession, UserSimulator
-from rlver.seeding import stable_hash
-from rlver.types import Profile, UserTurn
+from rlver.core.emotion import (
+    Difficulty,
+    apply_change,
+    band,
+    profile_difficulty,
+    resolve_difficulty,
+    termination,
+)
+from rlver.core.interfaces import UserSession, UserSimulator
+from rlver.core.seeding import stable_hash
+from rlver.core.types import Profile, UserTurn
 
 from .client import ChatClient, EndpointError, LoopThread, open_client, read_api_key
 from .parsing import ParseFailure, Planning, UserReply, parse_planning, parse_reply

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlver.console import is_verbose, note
-from rlver.interfaces import Generation, RolloutEngine, SamplingSettings
-from rlver.lora import inference_weights
-from rlver.models import Policy
-from rlver.precision import resolve_dtype
+from rlver.core.console import is_verbose, note
+from rlver.core.interfaces import Generation, RolloutEngine, SamplingSettings
+from rlver.modeling.lora import inference_weights
+from rlver.modeling.models import Policy
+from rlver.modeling.precision import resolve_dtype
 
 T = TypeVar("T")
 INSTALL_HINT = (
@@ -60,7 +60,7 @@ class VLLMEngine(RolloutEngine):
         sleep_between_rollouts: Free the engine's GPU memory while training runs (sleep / wake).
         sync_every_step: Push the policy's weights into the engine before every rollout.
         own_thread: Keep vLLM on a thread of its own, so that other threads may use it (vLLM
-            keeps its parallel state per thread); the overlapped mode (rlver.overlap) sets it.
+            keeps its parallel state per thread); the overlapped mode (rlver.rollout.overlap) sets it.
             Off by default: on a small CPU the second thread's OpenMP pool and the trainer's
             spin against each other (the quickstart's step measured 1.7x slower).
     """

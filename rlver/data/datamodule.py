@@ -9,8 +9,8 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from rlver.core.types import Profile
 from rlver.data.profiles import load_profile_sets
-from rlver.types import Profile
 
 
 class ProfileDataset(Dataset[Profile]):

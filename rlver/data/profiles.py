@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rlver.emotion import resolve_difficulty
-from rlver.types import Personality, Profile, personality_from_text
+from rlver.core.emotion import resolve_difficulty
+from rlver.core.types import Personality, Profile, personality_from_text
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_DIR = Path(__file__).parent / "profiles"

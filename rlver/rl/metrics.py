@@ -6,6 +6,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from rlver.rl.advantages import turn_table
+
 
 class WeightedMeans:
     """Means of per-micro-batch values, each weighted by what its micro-batch weighs in the loss.
@@ -58,7 +60,6 @@ def turn_metrics(
     A collective (the sums are global), so every rank logs the same keys and values; a turn
     index no dialogue reached is left out.
     """
-    from rlver.rl.advantages import turn_table
 
     def widened(table: torch.Tensor) -> torch.Tensor:
         out = torch.zeros((table.shape[0], turns), dtype=torch.float64, device=table.device)

@@ -1,0 +1,10 @@
+"""The contract: what plugins implement and see, and the types every layer shares.
+
+Holds the plugin interfaces (`interfaces`), the trajectory types a rollout produces
+(`trajectory`), the hook specifications and the plugin registry (`hookspecs`, `plugins`),
+profiles and user turns (`types`), SAGE's emotion rules (`emotion`), process-independent hashing
+(`seeding`) and one-line terminal output (`console`).
+
+The bottom layer: it imports nothing else from rlver (only the package root's `hookimpl`). It is
+rlver's public contract: plugins import from here (CONTRIBUTING.md, "Writing a plugin").
+"""

@@ -1,0 +1,286 @@
+"""The contracts plugins implement. Plugins register factories for these.
+
+A factory is any callable (usually the class itself) whose keyword arguments
+are the options a config may set; `rlver.core.plugins.build` checks them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlver.core.trajectory import ParsedReply, Trajectory
+from rlver.core.types import Profile, UserTurn
+
+__all__ = [
+    "AdvantageBatch", "AdvantageEstimator", "AdvantageResult", "Generation", "ParsedReply", "PromptFormat",
+    "RewardFunction", "RolloutEngine", "SamplingSettings", "SimulatorUnavailable", "StopRequested",
+    "Trajectory", "UserSession", "UserSimulator",
+]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- simulators
+class SimulatorUnavailable(RuntimeError):
+    """The simulator cannot go on at all (endpoint down, key or model rejected).
+
+    Unlike a failure of one dialogue (termination "simulator_error", left out of the loss),
+    this ends the run: the trainer stops every rank together with `last.ckpt` at the last
+    finished step, and `rlver fit` exits with this message.
+    """
+
+
+class StopRequested(Exception):
+    """A stop was asked for (SIGTERM, Ctrl-C): the rest of this rollout or step is dropped.
+
+    Raised by the rollout and the update, caught by the stop handling and the module: it lives
+    here, below all of them, so that none has to import another's layer to name it.
+    """
+
+
+class UserSession(ABC):
+    """One simulated user in one dialogue. Owns all of that dialogue's user state."""
+
+    profile: Profile
+
+    @abstractmethod
+    def opening(self) -> UserTurn:
+        """The user's first message (the profile's `first_talk` when it has one)."""
+
+    @abstractmethod
+    def respond(self, reply: str) -> UserTurn:
+        """React to the policy's visible reply: move the emotion and answer."""
+
+    @property
+    @abstractmethod
+    def emotion(self) -> float:
+        """The current emotion score, 0-100."""
+
+    def adopt_opening(self, turn: UserTurn) -> None:
+        """Start from `turn`, the opening another session of the same group wrote.
+
+        GRPO compares the members of a group, so they must face the same user saying the
+        same first line; the rollout asks the group's first session for its opening and
+        hands it to the others. Sessions that cannot adopt one raise NotImplementedError
+        and are asked for their own (with the group's shared seed).
+        """
+        raise NotImplementedError
+
+    def follow(self, text: str, emotion: float | None = None) -> None:
+        """Replace the user's latest message (the opening, or the answer to the last reply)
+        with `text`, and the emotion with `emotion` when one is given.
+
+        For replaying a recorded dialogue turn by turn (teacher forcing, as
+        benchmarks/simulator_agreement.py does): the session goes on from what the user
+        actually said there (and, with `emotion`, from how they felt). Before `opening()`,
+        `text` becomes the opening. Sessions that cannot raise NotImplementedError.
+        """
+        raise NotImplementedError
+
+
+class UserSimulator(ABC):
+    """Creates user sessions and answers a whole batch of them per turn.
+
+    The rollout loop only calls `open`, `opening_batch` and `respond_batch`; simulators backed
+    by a remote LLM override them to run the sessions concurrently.
+
+    `waits_on_io`: True when a call mostly waits on something outside this process (an LLM
+    endpoint) and calls for different sessions may run at once from different threads. The
+    dialogue-level rollout then asks for each dialogue's answer on its own, as soon as its
+    reply is sampled, and the dialogue goes on when its user has answered. False (in-process
+    users): the replies sampled together are answered together, in one batched call.
+    """
+
+    waits_on_io: bool = False
+
+    @abstractmethod
+    def open(self, profile: Profile, *, seed: int) -> UserSession:
+        """Start a dialogue with `profile`; `seed` makes the session reproducible."""
+
+    def opening_batch(self, sessions: Sequence[UserSession]) -> list[UserTurn]:
+        """The opening lines of new sessions (LLM-played users write them concurrently)."""
+        return [session.opening() for session in sessions]
+
+    def respond_batch(self, sessions: Sequence[UserSession], replies: Sequence[str]) -> list[UserTurn]:
+        return [session.respond(reply) for session, reply in zip(sessions, replies, strict=True)]
+
+    def policy_system_prompt(self, profile: Profile, *, thinking: bool) -> str | None:
+        """The system prompt the protocol this user belongs to gives the policy, if it has one.
+
+        A benchmark's or reference's own simulator code comes with its own prompt for the
+        model under test; the prompt format then uses it (adding its thinking instructions
+        where the prompt has none), unless the format sets `system_prompt` explicitly.
+        None: the format's own prompt.
+        """
+        return None
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Counters since the last call (requests, retries, ...), logged under `simulator/`."""
+        return {}
+
+    def worst_case_seconds(self) -> float | None:
+        """How long a dead endpoint can keep a rank waiting before this simulator gives up on it
+        (raises SimulatorUnavailable); None: no endpoint, or it never gives up. Multi-process
+        training keeps its collectives' timeout above it, so a dead endpoint ends in the clean
+        stop with `last.ckpt`, not in a collective timing out."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release connections and threads; the simulator is not used afterwards."""
+
+
+# --------------------------------------------------------------------------- prompt formats
+class PromptFormat(ABC):
+    """How the policy is asked to answer and how its raw text is parsed."""
+
+    thinking: bool = False  # whether the policy reasons before its reply (`<think>`)
+    custom_prompt: str | None = None  # a system prompt the config set explicitly
+
+    @abstractmethod
+    def system_prompt(self, profile: Profile) -> str:
+        """The system message for a dialogue with `profile`."""
+
+    def adapt_system_prompt(self, prompt: str, profile: Profile) -> str:
+        """`prompt` (a simulator protocol's own) made fit for this format; unchanged by default."""
+        return prompt
+
+    @abstractmethod
+    def parse(self, completion: str) -> ParsedReply:
+        """Split a completion into visible reply and thinking."""
+
+
+# --------------------------------------------------------------------------- rollout engines
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Per-call sampling controls, identical across engines.
+
+    temperature 0 means greedy decoding. Log-probabilities are always those of
+    the sampled token under softmax(logits / temperature) (raw logits when
+    greedy), without top-p renormalisation, i.e. what the trainer recomputes.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    # One seed per prompt: a prompt's sample then depends on its own seed and the weights only,
+    # never on which other prompts share the call (the rollout passes them, so scheduling cannot
+    # change a dialogue). None: the engine derives them from `seed` and the prompt's index.
+    prompt_seeds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature ({self.temperature}) must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p ({self.top_p}) must be within (0, 1]")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What an engine sampled for one prompt: exact ids and their log-probs.
+
+    finish_reason: "stop" (an end-of-turn token was sampled, and is the last
+    id) or "length" (the per-turn token limit was hit).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+class RolloutEngine(ABC):
+    """Generates completions for a batch of token-id prompts.
+
+    `samples_from_training_module`: True when the engine generates with the very module being
+    trained (no copy of its own): the overlapped mode then gives it a snapshot to sample from.
+    """
+
+    samples_from_training_module: bool = False
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
+        """One completion per prompt; deterministic for the same inputs and seed. Given
+        `sampling.prompt_seeds`, prompt i samples with seed prompt_seeds[i] alone."""
+
+    def sync_weights(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Make the engine sample from the policy's current weights.
+
+        Engines that share the training module (hf) have nothing to do.
+        """
+
+
+# --------------------------------------------------------------------------- rewards and advantages
+class RewardFunction(ABC):
+    """Scores finished dialogues: one entry per trajectory.
+
+    An entry is either one float, the dialogue's reward (it sits on the last token the policy
+    sampled), or a sequence of one float per policy turn (`trajectory.num_turns` of them), each
+    on that turn's last sampled token. A per-turn reward that should also pay at the end adds
+    it to its last turn's value: token rewards are summed either way.
+    """
+
+    @abstractmethod
+    def __call__(self, trajectories: Sequence[Trajectory]) -> Sequence[float | Sequence[float]]: ...
+
+
+@dataclass
+class AdvantageBatch:
+    """What an advantage estimator sees, on per-dialogue timelines (see rlver.modeling.batch).
+
+    token_rewards: (D, T) rewards per policy token: each turn's reward on that turn's last
+        token (a dialogue-level reward on the last turn's), minus the KL penalty on every token
+        when KL is in the reward.
+    values: (D, T) critic values, or None when no critic is trained.
+    mask: (D, T) 1 on real timeline positions.
+    group_ids: (D,) dialogues sharing a profile and opening share an id.
+    valid: (D,) bool, False for dialogues that must not shape the estimate (ended by a
+        simulator error, or a placeholder on a rank with nothing to train); None: all valid.
+        Their advantages are ignored by the loss, and they must stay out of any statistic.
+    reduce_sum: sums a tensor over every rank of the step (identity in one process). A
+        statistic over "the batch" (e.g. whitening) must be computed with it, so that it is
+        the statistic of the whole step and every rank agrees; all ranks call it equally often.
+    turn_ids: (D, T) the policy turn (0-based) of each timeline position; None: one turn.
+    """
+
+    token_rewards: Any
+    values: Any
+    mask: Any
+    group_ids: Any
+    valid: Any = None
+    reduce_sum: Callable[[Any], Any] | None = None
+    turn_ids: Any = None
+
+    def valid_mask(self) -> Any:
+        """(D, T) mask of the positions that count: `mask` on valid dialogues only."""
+        if self.valid is None:
+            return self.mask
+        return self.mask * self.valid[:, None].to(self.mask.dtype)
+
+    def global_sum(self, tensor: Any) -> Any:
+        return tensor if self.reduce_sum is None else self.reduce_sum(tensor)
+
+
+@dataclass
+class AdvantageResult:
+    """advantages: (D, T); returns: (D, T) value targets, or None without a critic."""
+
+    advantages: Any
+    returns: Any = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AdvantageEstimator(ABC):
+    """Turns rewards (and values, for critics) into per-token advantages.
+
+    `requires_critic` tells the trainer whether to build and train a value model;
+    `requires_groups` that its baseline compares the dialogues of a group (`group_size` >= 2).
+    """
+
+    requires_critic: bool = False
+    requires_groups: bool = False
+
+    @abstractmethod
+    def __call__(self, batch: AdvantageBatch) -> AdvantageResult: ...

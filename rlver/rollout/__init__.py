@@ -1,0 +1,14 @@
+"""Dialogues between the policy and simulated users: the runner (`runner`), when each reply is
+sampled (`schedules`, `dialogue`), one step's rollouts (`step_rollouts`), rollouts overlapped
+with the update (`overlap`), and the transcript formats (`transcripts`).
+
+May import `rlver.core`, `rlver.data`, `rlver.parallel`, `rlver.modeling` and `rlver.checkpoint`
+(the graceful stop). Never imports the training side (`rlver.train`) nor the planner.
+
+`from rlver.rollout import RolloutRunner` (the flat layout's module) still works, with a
+deprecation warning: the names now live in `rlver.rollout.runner` and `rlver.core.trajectory`.
+"""
+
+from rlver._moved import moved_attribute
+
+__getattr__ = moved_attribute(__name__, "rlver.rollout.runner")

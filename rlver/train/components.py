@@ -1,0 +1,123 @@
+"""What an RLVERModule is made of: its settings and plugins, built and checked from the config.
+
+Every error names the `--model.` flag it is about. Nothing here loads a model or runs a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlver.core.plugins import get_registry, plain_config, split_spec
+from rlver.modeling.lora import LoraSettings
+from rlver.modeling.models import DTYPES
+from rlver.rollout.runner import RolloutSettings
+from rlver.train.curriculum import DifficultyCurriculum
+from rlver.train.ppo_update import PPOSettings
+
+ComponentSpec = str | dict[str, Any]
+
+
+def _as_settings(cls: type, value: Any, flag: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(**plain_config(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{flag}: {error}") from None
+
+
+def build_rewards(registry: Any, specs: Sequence[ComponentSpec]) -> list[tuple[str, float, Any]]:
+    """(name, weight, function) of each `--model.rewards` entry; the weight is taken out of its options."""
+    if not specs:
+        raise ValueError("--model.rewards: at least one reward is needed")
+    built = []
+    for index, spec in enumerate(specs):
+        flag = f"--model.rewards[{index}]"
+        name, options = split_spec(spec, flag=flag)
+        weight = float(options.pop("weight", 1.0))
+        built.append((name, weight, registry.build("rewards", {"name": name, **options}, flag=flag)))
+    return built
+
+
+def checked_settings(
+    dtype: str,
+    group_size: int,
+    actor_warmup_ratio: float,
+    critic_warmup_ratio: float,
+    rollout: Any,
+    ppo: Any,
+    lora: Any,
+    eval_temperature: float,
+    curriculum: Any,
+) -> tuple[RolloutSettings, PPOSettings, LoraSettings | None, DifficultyCurriculum | None]:
+    """The module's option groups as settings objects, each value checked (ValueError naming the flag)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--model.dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
+    if group_size < 1:
+        raise ValueError(f"--model.group_size ({group_size}) must be >= 1")
+    for name, value in (
+        ("actor_warmup_ratio", actor_warmup_ratio),
+        ("critic_warmup_ratio", critic_warmup_ratio),
+    ):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"--model.{name} ({value}) must be within [0, 1)")
+    rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
+    ppo_settings = _as_settings(PPOSettings, ppo, "--model.ppo")
+    lora_settings = _as_settings(LoraSettings, lora, "--model.lora") if lora is not None else None
+    if eval_temperature < 0:
+        raise ValueError(f"--model.eval_temperature ({eval_temperature}) must be >= 0")
+    levels = DifficultyCurriculum.from_config(plain_config(curriculum)) if curriculum is not None else None
+    return rollout_settings, ppo_settings, lora_settings, levels
+
+
+@dataclass
+class Components:
+    specs: dict[str, Any]  # each component's config, as the rollout records name them
+    simulator: Any
+    prompt_format: Any
+    advantage: Any
+    rewards: list[tuple[str, float, Any]]
+
+
+def build_components(
+    policy: str,
+    engine: ComponentSpec,
+    simulator: ComponentSpec,
+    prompt_format: ComponentSpec,
+    advantage: ComponentSpec,
+    rewards: list[ComponentSpec] | None,
+    *,
+    critic: str | None,
+    group_size: int,
+    kl_mode: str,
+) -> Components:
+    """The plugins from the registry (the engine only checked: it needs the loaded policy)."""
+    registry = get_registry()
+    specs = {
+        "model": policy,
+        "engine": plain_config(engine),
+        "simulator": plain_config(simulator),
+        "prompt_format": plain_config(prompt_format),
+        "advantage": plain_config(advantage),
+    }
+    built_simulator = registry.build("simulators", specs["simulator"], flag="--model.simulator")
+    built_format = registry.build("formats", specs["prompt_format"], flag="--model.prompt_format")
+    registry.check("engines", specs["engine"], flag="--model.engine", context={"policy"})
+    estimator = registry.build("advantages", specs["advantage"], flag="--model.advantage")
+    reward_functions = build_rewards(
+        registry, plain_config(rewards) if rewards is not None else ["final_emotion"]
+    )
+    if getattr(estimator, "requires_critic", False) is False and critic is not None:
+        raise ValueError("--model.critic is set but the advantage estimator trains no critic")
+    if group_size < 2 and getattr(estimator, "requires_groups", False):
+        advantage_name, _ = split_spec(specs["advantage"], flag="--model.advantage")
+        raise ValueError(f"--model.group_size ({group_size}) must be >= 2 for {advantage_name}")
+    if kl_mode == "in-reward" and getattr(estimator, "requires_groups", False):
+        # A group whose rewards tie would be normalised on KL noise alone: +-1 advantages.
+        raise ValueError(
+            "--model.ppo.kl_mode in-reward needs a critic (advantage: gae); a group baseline "
+            "takes the KL in the loss (kl_mode: in-loss)"
+        )
+    return Components(specs, built_simulator, built_format, estimator, reward_functions)

@@ -1,0 +1,401 @@
+"""The RL LightningModule: one `training_step` is one PPO/GRPO iteration.
+
+Manual optimization. Every rank rolls out its own share of the dialogues (its
+dataloader shard); GRPO groups are formed on-rank from that rank's profiles,
+so a group is always whole on one rank; logged metrics are reduced across
+ranks. Only the last actor optimizer step of an iteration advances
+`trainer.global_step`, so `max_steps` counts RL iterations, not minibatches.
+
+The steps' work is done elsewhere: `scoring` (rewards, old log-probs and values,
+advantages), `ppo_update` (the update), `run_log` (metrics, transcripts, samples),
+`evaluation` (validation, the Sentient test), `checkpoint_state`, `networks` and `ranks`;
+the hooks of the last three concerns are mixed in from their modules (`RunLogHooks`,
+`EvaluationHooks`, `CheckpointHooks`). This file holds the algorithm's order only: it
+never computes a loss, a reward or a metric itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+
+from rlver.checkpoint.io import use_rlver_checkpoint_io
+from rlver.checkpoint.state import CheckpointHooks
+from rlver.core.console import phase
+from rlver.core.interfaces import SimulatorUnavailable, StopRequested
+from rlver.core.plugins import get_registry
+from rlver.core.trajectory import Trajectory
+from rlver.core.types import Profile
+from rlver.modeling.batch import RolloutBatch
+from rlver.modeling.critic import ValueModel
+from rlver.modeling.lora import LoraSettings
+from rlver.modeling.models import Policy, resolve_model_path
+from rlver.modeling.networks import (
+    check_training_precision,
+    load_networks,
+    optimizers_and_schedulers,
+)
+from rlver.parallel.sharding import shard_for_strategy
+from rlver.plan.memory_plan import check_fits
+from rlver.rollout.overlap import OverlapSettings, RolloutPipeline, engine_for_overlap
+from rlver.rollout.runner import RolloutRunner, RolloutSettings
+from rlver.rollout.step_rollouts import StepRollouts
+from rlver.train import ranks
+from rlver.train.components import ComponentSpec, build_components, checked_settings
+from rlver.train.evaluation import EvaluationHooks
+from rlver.train.ppo_update import PPOSettings, actor_loss, ppo_update
+from rlver.train.run_log import (
+    RunLogHooks,
+    merge_rank_metrics,
+    perf_metrics,
+    rollout_metrics,
+    simulator_errors,
+)
+from rlver.train.scoring import (
+    logprob_metrics,
+    on_policy_update,
+    score_dialogues,
+    score_tokens,
+    token_advantages,
+    training_batch,
+)
+
+__all__ = ["PPOSettings", "RLVERModule", "actor_loss", "merge_rank_metrics"]  # the last three: re-exported
+
+
+class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L.LightningModule):
+    """Trains a chat policy against simulated users with PPO (critic + GAE) or GRPO.
+
+    Args:
+        policy: Policy model: smollm2-135m-instruct (embedded), a local HF folder, or a hub id.
+        critic: Critic initialisation (a model folder); None: the policy's weights.
+        dtype: Weight dtype: float32, bfloat16 or float16 (mixed precision is the trainer's `precision`).
+        engine: Rollout engine: a name or {"name": ..., <options>}.
+        simulator: User simulator: a name or {"name": ..., <options>}.
+        prompt_format: Prompt format: think, nothink, or {"name": ..., <options>}.
+        rollout: Dialogue settings for training rollouts.
+        eval_temperature: Sampling temperature for validation and test rollouts (0: greedy).
+        rewards: Reward components, summed: names or {"name": ..., "weight": w, <options>}.
+        advantage: Advantage estimator: gae (PPO, trains a critic) or grpo.
+        group_size: Dialogues per profile per step (GRPO's n); they share persona and opening.
+        ppo: The update settings.
+        actor_lr: Policy AdamW learning rate.
+        critic_lr: Critic AdamW learning rate.
+        weight_decay: AdamW weight decay for both.
+        actor_warmup_ratio: Fraction of max_steps with linear warmup of the actor lr, then constant.
+        critic_warmup_ratio: Same for the critic.
+        gradient_checkpointing: Trade compute for memory in the policy and critic.
+        log_samples_every_n_steps: Log sample dialogues and an emotion plot every N steps (0: never).
+        curriculum: Environment difficulty over training: a level (easy, normal, hard) or stages
+            [{"until_step": 10, "mix": "easy"}, {"mix": {"normal": 1, "hard": 1}}]; each training
+            profile draws its level, which wins over the simulator's own (None: no curriculum).
+        lora: Train low-rank adapters on the policy instead of all its weights (peft):
+            {rank, alpha, dropout, target_modules}. The optimizer and checkpoints hold only the
+            adapter; engines sample from the merged weights; with kl_coef > 0 the reference is
+            the same network with the adapter off. None: full fine-tuning.
+        low_precision_weights: Allow training full weights held in bfloat16/float16 (`dtype`, or
+            `--trainer.precision bf16-true/16-true`). Off: refused, since updates at RL learning
+            rates round away; float32 weights with bf16-mixed compute are the default way.
+        overlap: Roll out the next steps' dialogues while this step's update runs, and train on
+            them 1 to `max_staleness` steps later with decoupled PPO's correction
+            ({max_importance_weight, max_staleness}); for users with real latency
+            (rlver.rollout.overlap). None: every step trains on its own rollout.
+    """
+
+    def __init__(
+        self,
+        policy: str = "smollm2-135m-instruct",
+        critic: str | None = None,
+        dtype: str = "float32",
+        engine: ComponentSpec = "hf",
+        simulator: ComponentSpec = "embedded",
+        prompt_format: ComponentSpec = "nothink",
+        rollout: RolloutSettings = RolloutSettings(),  # noqa: B008 - frozen, so sharing is safe
+        eval_temperature: float = 0.0,
+        rewards: list[ComponentSpec] | None = None,
+        advantage: ComponentSpec = "grpo",
+        group_size: int = 4,
+        ppo: PPOSettings = PPOSettings(),  # noqa: B008 - frozen, so sharing is safe
+        actor_lr: float = 1e-6,
+        critic_lr: float = 5e-6,
+        weight_decay: float = 0.01,
+        actor_warmup_ratio: float = 0.02,
+        critic_warmup_ratio: float = 0.05,
+        gradient_checkpointing: bool = False,
+        log_samples_every_n_steps: int = 10,
+        curriculum: str | list[dict[str, Any]] | None = None,
+        lora: LoraSettings | None = None,
+        low_precision_weights: bool = False,
+        overlap: OverlapSettings | None = None,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.save_hyperparameters()
+        self.rollout_settings, self.ppo, self.lora, self.curriculum = checked_settings(
+            dtype, group_size, actor_warmup_ratio, critic_warmup_ratio, rollout, ppo, lora, eval_temperature,
+            curriculum,
+        )  # fmt: skip
+        self.overlap = OverlapSettings(**overlap) if isinstance(overlap, dict) else overlap
+        self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's steps ahead
+        self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
+        # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
+        self.strict_loading = self.lora is None
+        components = build_components(
+            policy, engine, simulator, prompt_format, advantage, rewards,
+            critic=critic, group_size=group_size, kl_mode=self.ppo.kl_mode,
+        )  # fmt: skip
+        self.component_specs = components.specs
+        self.simulator, self.prompt_format = components.simulator, components.prompt_format
+        self.advantage_estimator, self.reward_functions = components.advantage, components.rewards
+        self.policy_model: torch.nn.Module | None = None
+        self.value_model: ValueModel | None = None
+        self._reference: list[torch.nn.Module] = []  # a list keeps it out of state_dict and checkpoints
+        self.tokenizer: Any = None
+        self.runner: RolloutRunner | None = None
+
+    @property
+    def uses_critic(self) -> bool:
+        return bool(getattr(self.advantage_estimator, "requires_critic", False))
+
+    def configure_model(self) -> None:
+        """Load the networks (called by Lightning once the strategy is set up; idempotent)."""
+        if self.policy_model is not None:
+            return
+        hp = self.hparams
+        networks = load_networks(
+            hp.policy,
+            hp.critic,
+            hp.dtype,
+            with_critic=self.uses_critic,
+            with_reference=self.ppo.kl_coef > 0,
+            lora=self.lora,
+            gradient_checkpointing=hp.gradient_checkpointing,
+        )
+        self.tokenizer, self.policy_model, self.value_model = (
+            networks.tokenizer,
+            networks.policy,
+            networks.value,
+        )
+        self._reference = [networks.reference] if networks.reference is not None else []
+        if self._trainer is not None:
+            # Under FSDP the policy and the critic are sharded as roots of their own, so that
+            # manual optimization can gather them for generation and for weight sync between
+            # training steps; the frozen reference stays whole. Other strategies: unchanged.
+            self.policy_model = shard_for_strategy(self.policy_model, self.trainer.strategy)
+            if self.value_model is not None:
+                self.value_model = shard_for_strategy(self.value_model, self.trainer.strategy)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        return batch  # a batch is a list of profiles: plain data that never goes to a device
+
+    def rollout_runner(self, policy: Policy) -> RolloutRunner:
+        """A rollout runner over `policy` with this module's engine, simulator, format and settings."""
+        spec = self.component_specs["engine"]
+        if self.overlap is not None:
+            spec = engine_for_overlap(spec)
+        engine = get_registry().build("engines", spec, flag="--model.engine", policy=policy)
+        return RolloutRunner(
+            policy,
+            engine,
+            self.simulator,
+            self.prompt_format,
+            self.rollout_settings,
+            components=dict(self.component_specs),
+        )
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self._check_training_precision()
+            check_fits(self, self.trainer)  # an OOM after the queue becomes one line at start (GPUs)
+        ranks.share_cpu_cores(self._trainer, self.device)
+        if self._trainer is not None:
+            use_rlver_checkpoint_io(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
+        engine = self.component_specs["engine"]
+        engine = engine if isinstance(engine, str) else engine.get("name", "?")
+        with phase(f"loading {self.hparams.policy} and the {engine} engine"):
+            self.configure_model()
+            for reference in self._reference:
+                reference.to(self.device)
+            policy = Policy(
+                model=self.policy_model,
+                tokenizer=self.tokenizer,
+                path=resolve_model_path(self.hparams.policy),
+                name=str(self.hparams.policy),
+            )
+            self.runner = self.rollout_runner(policy)
+            if self.overlap is not None:
+                self._build_background_runner(policy)
+
+    def collective_timeout_seconds(self) -> float | None:
+        """How long one rank may be kept by a dead simulator endpoint, plus 10 min (None: no bound).
+
+        The others wait that long in the step's next collective; the Trainer keeps the process
+        group's timeout above it, so the simulator gives up (a clean stop with `last.ckpt`) first.
+        """
+        stall = self.simulator.worst_case_seconds()
+        return None if stall is None else stall + 600.0
+
+    def _check_training_precision(self) -> None:
+        """Refuse numerics under which training silently learns nothing or clips wrongly."""
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        hp = self.hparams
+        check_training_precision(precision, hp.dtype, self.lora is not None, hp.low_precision_weights)
+
+    # Checkpoint weights are restored after setup(); engines with their own copy of the
+    # weights (vllm) loaded them from disk, so push the restored ones in before any rollout.
+    def on_train_start(self) -> None:
+        self.runner.engine.sync_weights()
+
+    def on_validation_start(self) -> None:
+        self.pipeline.wait()  # the next step's rollout, if one runs, has the engine until it ends
+        self.runner.engine.sync_weights()
+
+    def on_test_start(self) -> None:
+        self.pipeline.wait()
+        self.runner.engine.sync_weights()
+
+    def on_train_end(self) -> None:
+        self.pipeline.drop()
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        total_steps = max(int(self.trainer.max_steps if self.trainer.max_steps > 0 else 1000), 1)
+        return optimizers_and_schedulers(
+            self.policy_model, self.value_model, hp.actor_lr, hp.critic_lr, hp.weight_decay,
+            round(hp.actor_warmup_ratio * total_steps), round(hp.critic_warmup_ratio * total_steps),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the algorithm
+    def training_step(self, batch: Sequence[Profile], batch_idx: int) -> None:
+        step, started, seconds = self.global_step, time.perf_counter(), {}
+
+        # 1. a batch of profiles, each at its curriculum level; each repeated group_size times
+        #    as a group sharing persona, opening and level
+        dialogues = self._step_dialogues(batch, step)
+        group_ids = torch.tensor([i // self.hparams.group_size for i in range(len(dialogues))])
+
+        # 2. roll out the dialogues with the engine plugin; a stop asked for now (SIGTERM,
+        #    Ctrl-C) drops the step, which has changed nothing yet, on every rank together
+        #    (overlapped: the ones rolled out during the last update; the next step's start)
+        rolled_out = self._roll_out(dialogues, step, seconds)
+        if rolled_out is None:
+            return  # GracefulStop checkpoints the state as of the last finished step, and stops
+        trajectories, sampled_by = rolled_out
+        metrics = rollout_metrics(trajectories, prefix="rollout")
+        if self.curriculum is not None:
+            metrics.update(self._difficulty_metrics(trajectories))
+        metrics["rollout/simulator_errors"] = simulator_errors(trajectories)
+        metrics.update(self._simulator_metrics())
+
+        # 3. score the dialogues with the reward plugins (weighted sum); a dialogue the
+        #    simulator failed on stays out of the loss, the baselines and the statistics
+        update_started = time.perf_counter()
+        data = training_batch(trajectories, group_ids, self._score, self.tokenizer.pad_token_id, metrics)
+        data.batch = data.batch.to(self.device)
+        mask = data.batch.loss_mask
+
+        # 4. old log-probs from the sampled ids (left to the update when it is one step from
+        #    the sampling policy: its own pass gives them), reference log-probs and values
+        on_policy = self.overlap is None and on_policy_update(
+            self.ppo, data.batch.num_sequences, self.policy_model, self._reduce_max
+        )
+        old_logprobs, ref_logprobs, old_values = self._score_tokens(data.batch, with_policy=not on_policy)
+
+        # 5. advantages on per-dialogue timelines, statistics over every rank's dialogues
+        advantages, returns = token_advantages(
+            self.advantage_estimator, data, old_logprobs, ref_logprobs, old_values, self.ppo,
+            self._reduce_sum, metrics, self.rollout_settings.max_turns,
+        )  # fmt: skip
+        if self.overlap is not None:  # sampled by older weights: decoupled PPO's correction
+            advantages = self._corrected_advantages(advantages, old_logprobs, data.batch, sampled_by, metrics)
+
+        # 6. PPO epochs over minibatches (in one process, a stop before the first optimizer
+        #    step still drops the step); then the engine samples from the updated policy
+        policy_logprobs = torch.zeros_like(data.batch.engine_logprobs) if on_policy else old_logprobs
+        try:
+            metrics.update(
+                self._update(
+                    data.batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step=step,
+                    logprobs_out=policy_logprobs if on_policy else None,
+                )
+            )  # fmt: skip
+        except StopRequested:
+            for optimizer in self._optimizer_list():
+                optimizer.zero_grad()
+            return
+        logprob_metrics(
+            policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics
+        )
+        sync_started = time.perf_counter()
+        if self.overlap is None:  # overlapped: synced before the next rollout starts (timed there)
+            self.runner.engine.sync_weights()
+            seconds["weight_sync"] = time.perf_counter() - sync_started
+        seconds["update"] = sync_started - update_started
+
+        # 7. log; written once the step is done: a step dropped by a stop leaves no transcript
+        seconds["step"] = time.perf_counter() - started
+        metrics.update(perf_metrics(seconds, trajectories, int(mask.sum().item()) * self.ppo.ppo_epochs))
+        self._append_transcripts("train", trajectories, step)
+        self._log_metrics(metrics, step=step)
+        get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
+        self._log_samples(trajectories, step)
+
+    def _score(self, trajectories: Sequence[Trajectory], metrics: dict[str, float]) -> torch.Tensor:
+        return score_dialogues(self.reward_functions, trajectories, metrics)
+
+    def _score_tokens(
+        self, batch: RolloutBatch, with_policy: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return score_tokens(
+            batch,
+            self.policy_model,
+            micro_batch_size=self.ppo.micro_batch_size,
+            temperature=self.rollout_settings.temperature or 1.0,
+            value_model=self.value_model,
+            reference=self._reference[0] if self._reference else None,
+            adapter_off_reference=self.lora is not None and self.ppo.kl_coef > 0,
+            reduce_max=self._reduce_max,
+            with_policy=with_policy,
+            head_at_loss_positions=self.ppo.head_at_loss_positions,
+            share_prefix=self.ppo.share_prompt_prefix,
+        )
+
+    def _update(
+        self, batch: RolloutBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+        advantages: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor | None,
+        step: int, logprobs_out: torch.Tensor | None = None,
+    ) -> dict[str, float]:  # fmt: skip
+        """`ppo_update` with this module's networks, optimizers, schedulers and ranks."""
+        optimizers, schedulers = self._optimizer_list(), self.lr_schedulers()
+        return ppo_update(
+            batch, old_logprobs, ref_logprobs, advantages, old_values, returns,
+            policy_model=self.policy_model, actor_optimizer=optimizers[0], value_model=self.value_model,
+            critic_optimizer=optimizers[1] if len(optimizers) > 1 else None,
+            schedulers=schedulers if isinstance(schedulers, list) else [schedulers],
+            settings=self.ppo, step=step, temperature=self.rollout_settings.temperature or 1.0,
+            lockstep=ranks.lockstep(self), logprobs_out=logprobs_out,
+        )  # fmt: skip
+
+    def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:
+        if counts_as_global_step:
+            optimizer.step()
+        else:
+            # Same strategy/precision path, but Lightning's step counter is left alone.
+            self.trainer.strategy.optimizer_step(optimizer.optimizer, lambda: None)
+
+    def _optimizer_list(self) -> list[Any]:
+        optimizers = self.optimizers()
+        return optimizers if isinstance(optimizers, list) else [optimizers]
+
+    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return ranks.reduce_sum(self._trainer, tensor)
+
+    def _reduce_max(self, value: float) -> float:
+        return ranks.reduce_max(self._trainer, value, self.device)
+
+    def _gather_objects(self, value: Any) -> list[Any]:
+        return ranks.gather_objects(self._trainer, value)
