@@ -16,7 +16,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 # old module -> its home since issue 40 (the flat rlver/ folder split into subpackages)
@@ -105,21 +105,18 @@ def install() -> None:
         sys.meta_path.append(_MovedModuleFinder())
 
 
-def moved_attribute(package: str, old_module_home: str) -> Callable[[str], Any]:
+def moved_attribute(package: str, old_module_home: str, names: Collection[str]) -> Callable[[str], Any]:
     """A module `__getattr__` for a package that replaced a module of the same name.
 
-    `from rlver.rollout import RolloutRunner` named the old module `rlver/rollout.py`; the names
+    `from rlver.rollout import RolloutRunner` named the old module `rlver/rollout.py`; the `names`
     it exported now live in `old_module_home`, fetched (and warned about) on first use only, so
     that importing the package's other modules does not load them.
     """
 
     def __getattr__(name: str) -> Any:
-        if name.startswith("__"):
+        if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        home = importlib.import_module(old_module_home)
-        if name not in getattr(home, "__all__", ()):
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(home, name)
+        value = getattr(importlib.import_module(old_module_home), name)
         _warn(f"{package}.{name}", f"{getattr(value, '__module__', old_module_home)}.{name}")
         setattr(sys.modules[package], name, value)  # found once, warned once
         return value

@@ -11,4 +11,12 @@ deprecation warning: the names now live in `rlver.rollout.runner` and `rlver.cor
 
 from rlver._moved import moved_attribute
 
-__getattr__ = moved_attribute(__name__, "rlver.rollout.runner")
+# The old module's public names (its __all__), all still exported by the runner.
+__getattr__ = moved_attribute(
+    __name__,
+    "rlver.rollout.runner",
+    names=(
+        "PolicyTurn", "RolloutRunner", "RolloutSettings", "StopRequested", "TokenSequence", "Trajectory",
+        "dialogue_seed", "pack_sequences", "summarize",
+    ),
+)  # fmt: skip
