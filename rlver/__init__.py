@@ -3,7 +3,7 @@
 The code is in layers, each a subpackage that imports only those below it (docs/architecture.md
 draws them; pyproject.toml's import-linter contracts check it): `core` (the plugin contract) at
 the bottom, then `rl` and `data`, `parallel`, `modeling`, `checkpoint`, `rollout`, `plan` and
-`evaluate`, `train`, and `rlver.cli` on top.
+`evaluate`, `train`, `commands`, and `rlver.cli` on top.
 """
 
 import pluggy

@@ -236,7 +236,7 @@ def failures(phases: list[Phase]) -> list[Phase]:
 def plan_recipe(
     config: Any, *, gpu_memory_gib: float, world_size: int | None = None
 ) -> tuple[Architecture, TrainingShape, list[Phase]]:
-    """The plan of a recipe as `rlver.cli.parse_recipe` returns it (trainer.*, model.*, data.*).
+    """The plan of a recipe as `rlver.commands.recipes.parse_recipe` returns it (trainer.*, model.*, data.*).
 
     world_size: instead of the recipe's devices x num_nodes.
     """

@@ -124,7 +124,7 @@ def training_shape(
 
 
 def shape_from_recipe(config: Any, *, gpu_memory_gib: float, world_size: int | None = None) -> TrainingShape:
-    """A recipe as `rlver.cli.parse_recipe` returns it; world_size instead of devices x num_nodes."""
+    """A recipe as `rlver.commands.recipes.parse_recipe` returns it; world_size, not devices x num_nodes."""
     trainer, model = config.trainer, plain_config(config.model)
     accelerator = str(trainer.accelerator or "auto")
     devices = _device_count(trainer.devices, accelerator)

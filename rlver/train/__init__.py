@@ -4,5 +4,5 @@ GRPO update (`ppo_update`) in lockstep across ranks (`ranks`), logging (`run_log
 and test (`evaluation`), the difficulty curriculum, the Trainer (`trainer`, `progress`) and the
 callbacks recipes add (`callbacks`).
 
-The top library layer: may import every other subpackage; only `rlver.cli` imports it.
+May import every subpackage below it; only `rlver.commands` and `rlver.cli` import it.
 """

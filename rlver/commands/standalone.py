@@ -1,0 +1,114 @@
+"""The commands that run no dialogue and no Trainer: `rlver plugins`, `export`, `score`, `plan`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+
+from jsonargparse import ArgumentParser
+
+from rlver.commands.recipes import check_config_files, parse_recipe
+from rlver.core.plugins import get_registry
+
+
+# --------------------------------------------------------------------------- rlver plugins
+def plugins_command(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(prog="rlver plugins", description="List installed plugins as JSON.")
+    parser.parse_args(list(argv))
+    print(json.dumps(get_registry().describe(), indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------- rlver export
+def export_command(argv: Sequence[str]) -> int:
+    parser = ArgumentParser(
+        prog="rlver export", description="Write a checkpoint's policy as a HF model folder."
+    )
+    parser.add_argument("--ckpt", type=str, required=True, help="A checkpoint written by `rlver fit`.")
+    parser.add_argument("--out", type=str, required=True, help="Folder to write (model + tokenizer).")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="A LoRA run: write only the adapter (peft format) instead of merged weights.",
+    )
+    cfg = parser.parse_args(list(argv))
+    from rlver.checkpoint.export import export_checkpoint
+
+    out = export_checkpoint(cfg.ckpt, cfg.out, adapter=cfg.adapter)
+    print(f"exported {cfg.ckpt} -> {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- rlver score
+def score_command(argv: Sequence[str]) -> int:
+    from rlver.evaluate.score import (
+        leaderboard_markdown,
+        leaderboard_rows,
+        load_scored_file,
+        plot_trajectories,
+    )
+
+    parser = ArgumentParser(
+        prog="rlver score",
+        description="Sentient-benchmark scores of transcript files (SAGE records or rlver transcripts): "
+        "a Markdown leaderboard (Score = mean final emotion, Success >= 100, Failure < 10) "
+        "and an emotion-trajectory plot.",
+    )
+    parser.add_argument(
+        "files", nargs="+", type=str, help="Transcript files (JSONL); each is one row, named by its stem."
+    )
+    parser.add_argument(
+        "--plot",
+        type=str,
+        default="score.png",
+        help="PNG of the mean emotion by user message; 'none' skips it.",
+    )
+    parser.add_argument(
+        "--by",
+        type=str | None,
+        default=None,
+        help="Also split each file by this record field (e.g. theme, character).",
+    )
+    cfg = parser.parse_args(list(argv))
+    files = [load_scored_file(path) for path in cfg.files]
+    print(leaderboard_markdown(leaderboard_rows(files)))
+    if cfg.by:
+        print()
+        print(leaderboard_markdown(leaderboard_rows(files, by=cfg.by), by=cfg.by))
+    if cfg.plot.lower() != "none":
+        print(f"\nplot: {plot_trajectories(files, cfg.plot)}")
+    return 0
+
+
+# --------------------------------------------------------------------------- rlver plan
+def plan_command(argv: Sequence[str]) -> int:
+    from rlver.plan.memory_plan import GIB, failures, format_plan, plan_recipe
+
+    parser = ArgumentParser(
+        prog="rlver plan",
+        description="GPU memory of each phase of a training step, per GPU (exit 1: one does not fit).",
+    )
+    parser.add_argument("--config", type=str, required=True, help="A recipe YAML (as `rlver fit` reads it).")
+    parser.add_argument(
+        "--gpu-memory-gib", type=float | None, default=None, help="GPU memory (default: this GPU's, else 80)."
+    )
+    parser.add_argument(
+        "--world-size", type=int | None, default=None, help="GPUs in all (default: devices x num_nodes)."
+    )
+    cfg = parser.parse_args(list(argv))
+    memory = cfg.gpu_memory_gib
+    if memory is None:
+        import torch
+
+        memory = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
+    if memory <= 0:
+        parser.error(f"--gpu-memory-gib ({memory}) must be > 0")
+    check_config_files(["--config", cfg.config])
+    with warnings.catch_warnings():  # LightningCLI warns that argv is not the recipe's own
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        config = parse_recipe(cfg.config)
+    arch, shape, phases = plan_recipe(config, gpu_memory_gib=memory, world_size=cfg.world_size)
+    print(f"rlver plan: {cfg.config}")
+    print(format_plan(arch, shape, phases))
+    return 1 if failures(phases) else 0
