@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rlver.modeling.batch import RolloutBatch, token_logprobs
-from rlver.train.ppo_update import Lockstep, PPOSettings, ppo_update
+from rlver.train.ppo_update import PPOSettings, ppo_update
+from rlver.train.ranks import Lockstep
 from tests.conftest import small_llama
 
 
