@@ -375,3 +375,51 @@ def test_a_model_without_logits_to_keep_gets_every_positions_head_and_a_placehol
     logprobs, entropy = policy_logprobs(untied, ids % 64, attention, placeholder, with_entropy=True)
     ((logprobs * placeholder).sum() + entropy).backward()
     assert untied.lm_head.weight.grad is not None  # every rank's backward reaches the same parameters
+
+
+def test_a_shared_prompt_with_right_padded_rows_of_unequal_prompts_gives_each_rows_own_log_probs():
+    """A group's rows share 40 opening tokens, then their prompts go on for 0, 6 and 11 more tokens
+    and their replies end at different lengths, right-padded: the shared pass's log-probs and
+    gradient at every row's loss positions equal each row run alone, without padding (issue 42)."""
+    from rlver.modeling.loss_positions import policy_logprobs
+
+    model = _tiny_llama()
+    generator = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 512, (3, 70), generator=generator)
+    ids[:, :40] = ids[0, :40]
+    prompt_ends, real_lengths = [40, 46, 51], [58, 70, 63]  # each row's own prompt, then reply, then padding
+    attention, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for row, (prompt_end, length) in enumerate(zip(prompt_ends, real_lengths, strict=True)):
+        attention[row, :length] = 1
+        mask[row, prompt_end:length] = 1
+        ids[row, length:] = 0  # the pad id
+    batch_logprobs, entropy = policy_logprobs(
+        model, ids, attention, mask, with_entropy=True, share_prefix=True
+    )
+    plain, plain_entropy = policy_logprobs(model, ids, attention, mask, with_entropy=True, share_prefix=False)
+    torch.testing.assert_close(batch_logprobs * mask, plain * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, plain_entropy, atol=1e-5, rtol=0)
+    for row, length in enumerate(real_lengths):
+        alone, _ = policy_logprobs(
+            model, ids[row : row + 1, :length], attention[row : row + 1, :length], mask[row : row + 1, :length],
+            share_prefix=False,
+        )  # fmt: skip
+        torch.testing.assert_close(
+            (batch_logprobs * mask)[row, :length], (alone * mask[row, :length])[0], atol=1e-5, rtol=0
+        )
+
+    def gradient(share):
+        model.zero_grad()
+        logprobs, _ = policy_logprobs(model, ids, attention, mask, share_prefix=share)
+        (logprobs * mask).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: calls.append(tuple(a[0].shape)))
+    shared_gradient = gradient(True)
+    hook.remove()
+    # the common tokens once, up to the first logit a loss reads (row 0's token 40 is read at 39)
+    assert calls == [(1, 39), (3, 31)]
+    plain_gradient = gradient(False)
+    for name, value in plain_gradient.items():
+        torch.testing.assert_close(shared_gradient[name], value, atol=1e-6, rtol=1e-4)

@@ -94,7 +94,10 @@ def _flat(tree, prefix=""):
         ("ppo_think_turn", "ppo_think", {"model.rewards", "model.advantage.name"}),
         ("grpo_think_turn", "grpo_think", {"model.rewards", "model.advantage.name", "model.advantage.eps"}),
         ("quickstart_turns", "quickstart", set()),
-        ("quickstart_turns_credit", "quickstart", {"model.rewards", "model.advantage"}),
+        # relative_std_floor 0: the divisor its published figures were measured with
+        ("quickstart_turns_credit", "quickstart", {
+            "model.rewards", "model.advantage", "model.advantage.name", "model.advantage.relative_std_floor",
+        }),
         *[
             (f"quickstart_turns_{name}", "quickstart", {
                 "model.rewards", "model.advantage", "model.group_size", "data.batch_size",

@@ -231,3 +231,77 @@ def test_turn_metrics_are_step_wide_and_skip_turns_nobody_reached():
     )  # fmt: skip
     invalid = turn_metrics(table, advantages, turn_ids, mask, T([True, False]), 4, lambda x: x)
     assert invalid["turn/reward_mean_1"] == pytest.approx(0.1) and invalid["turn/dialogues_1"] == 1.0
+
+
+# --------------------------------------------------------------------------- the second decision
+# Two decisions: at turn 1 "resolve" (A: +0.1, the user leaves) with P = sigmoid(theta_1), else
+# explore; at turn 2, after exploring, "deepen" (C: +0.5) with P = sigmoid(theta_2), else "drift"
+# (D: -0.2). dJ/dtheta_2 = (1 - p) q (1 - q) (0.5 - (-0.2)): the estimator's expectation over
+# every group of 4 must be 4 times that (turn 1's log-prob does not depend on theta_2).
+TWO_DECISIONS = {"A": ([0.1], [1]), "C": ([0.0, 0.5], [1, 1]), "D": ([0.0, -0.2], [1, 1])}
+
+
+def expected_second_gradient(estimate, p, q, group_size=4):
+    probabilities = {"A": p, "C": (1 - p) * q, "D": (1 - p) * (1 - q)}
+    scores = {"A": 0.0, "C": 1 - q, "D": -q}  # dlog pi(a_2)/dtheta_2; A never makes a second choice
+    total = 0.0
+    for choices in itertools.product("ACD", repeat=group_size):
+        rewards, lengths = zip(*(TWO_DECISIONS[choice] for choice in choices), strict=True)
+        mask, turn_ids, token_rewards = timeline(list(rewards), list(lengths))
+        advantages = estimate(
+            AdvantageBatch(token_rewards, None, mask, torch.zeros(group_size), turn_ids=turn_ids)
+        )
+        probability = torch.tensor([probabilities[choice] for choice in choices]).prod().item()
+        # the second turn's advantage sits on timeline position 1 of the dialogues that explored
+        total += probability * sum(
+            advantages[row, 1].item() * scores[choice] for row, choice in enumerate(choices) if choice != "A"
+        )
+    return total
+
+
+@pytest.mark.parametrize(("p", "q"), [(0.3, 0.5), (0.6, 0.2), (0.5, 0.9)])
+def test_the_turn_credit_baseline_is_unbiased_at_the_second_decision(p, q):
+    true_gradient = (1 - p) * q * (1 - q) * (0.5 - (-0.2))
+    ours = expected_second_gradient(
+        lambda batch: TurnCreditEstimator(scale_by_std=False)(batch).advantages, p, q
+    )
+    assert ours == pytest.approx(4 * true_gradient, abs=1e-6)
+    scaled = expected_second_gradient(lambda batch: TurnCreditEstimator()(batch).advantages, p, q)
+    assert scaled > 0  # the std (and its floors) only weight the groups: still towards C
+
+
+# --------------------------------------------------------------------------- the divisor's floor
+def test_leave_one_out_std_is_the_std_of_the_others():
+    from rlver.rl.advantages import leave_one_out_std
+
+    values = T([0.3, -0.1, 0.8, 0.2, 0.25])
+    totals = torch.stack([T(5.0), values.sum(), values.square().sum()])
+    expected = [torch.cat([values[:i], values[i + 1 :]]).std().item() for i in range(5)]
+    assert leave_one_out_std(values, totals).tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def lone_outlier_batch(reduce_sum=None):
+    """Group 0: three members at 0.2 and one at 0.7; group 1 spread out. One turn each."""
+    returns = [[0.2], [0.2], [0.2], [0.7], [0.0], [0.4], [0.9], [0.1]]
+    mask, turn_ids, rewards = timeline(returns, [[1]] * 8)
+    return AdvantageBatch(rewards, None, mask, T([0] * 4 + [1] * 4), reduce_sum=reduce_sum, turn_ids=turn_ids)
+
+
+def test_a_lone_outlier_is_divided_by_a_floor_relative_to_the_steps_spread():
+    batch = lone_outlier_batch()
+    old = TurnCreditEstimator(relative_std_floor=0.0)(batch).advantages
+    assert old[3, 0].item() == pytest.approx(0.5 / 0.01)  # the others all scored 0.2: the absolute floor
+    new = TurnCreditEstimator()(batch).advantages  # relative_std_floor 0.5
+    others = T([0.2, 0.2, 0.2, 0.0, 0.4, 0.9, 0.1])  # every valid dialogue of the step but the outlier
+    assert new[3, 0].item() == pytest.approx(0.5 / (0.5 * others.std().item()), rel=1e-5)
+    assert new.abs().max().item() < 5
+    # a member whose group-mates disagree keeps the group's own std where that is larger
+    group_std = T([0.2, 0.2, 0.7]).std().item()
+    assert group_std > 0.5 * T([0.2, 0.2, 0.7, 0.0, 0.4, 0.9, 0.1]).std().item()
+    assert new[0, 0].item() == pytest.approx((0.2 - (0.2 + 0.2 + 0.7) / 3) / group_std, rel=1e-5)
+    # the floor is the step's, over every rank: two "ranks" holding the same dialogues
+    doubled = TurnCreditEstimator()(lone_outlier_batch(reduce_sum=lambda x: x * 2)).advantages
+    every_rank = torch.cat([others, T([0.2, 0.2, 0.2, 0.7, 0.0, 0.4, 0.9, 0.1])])
+    assert doubled[3, 0].item() == pytest.approx(0.5 / (0.5 * every_rank.std().item()), rel=1e-5)
+    with pytest.raises(ValueError, match="relative_std_floor"):
+        TurnCreditEstimator(relative_std_floor=-1.0)

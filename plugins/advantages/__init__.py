@@ -11,7 +11,9 @@ from rlver.rl.advantages import (
     broadcast_turns,
     gae,
     group_normalized,
+    leave_one_out_std,
     leave_one_out_turn_credit,
+    returns_to_go,
     turn_gae,
 )
 
@@ -151,25 +153,50 @@ class TurnCreditEstimator(AdvantageEstimator):
     with other survivors (tests/test_turn_credit.py builds that case). The scale is positive
     and independent of i too: it weights a group's gradient, it does not turn it.
 
+    The divisor's floor is relative to the reward's scale: `relative_std_floor` times the std of
+    the whole returns of every other valid dialogue of the step (every rank's, dialogue i left
+    out so the floor stays independent of i). Without it, a group whose other members scored
+    alike divides by `std_floor` alone: with rewards in [0, 1] and a floor of 0.01, one
+    dialogue 0.5 apart gets an advantage of 50, about 50 times a normal one.
+
     Args:
-        scale_by_std: Divide by the std of the other members' returns (at least `std_floor`).
-        std_floor: The smallest divisor: others that all scored alike must not blow up the one
-            that did not.
+        scale_by_std: Divide by the std of the other members' returns (at least the floors).
+        std_floor: The smallest divisor, in reward units.
+        relative_std_floor: The smallest divisor as a fraction of the step's std of whole
+            returns (0: `std_floor` alone, as before this option).
     """
 
     requires_critic = False
     requires_groups = True
 
-    def __init__(self, scale_by_std: bool = True, std_floor: float = 0.01) -> None:
+    def __init__(
+        self, scale_by_std: bool = True, std_floor: float = 0.01, relative_std_floor: float = 0.5
+    ) -> None:
         if std_floor <= 0:
             raise ValueError(f"std_floor ({std_floor}) must be > 0")
+        if relative_std_floor < 0:
+            raise ValueError(f"relative_std_floor ({relative_std_floor}) must be >= 0")
         self.scale_by_std, self.std_floor = scale_by_std, std_floor
+        self.relative_std_floor = relative_std_floor
+
+    def _scale_floors(self, batch: AdvantageBatch, turn_ids: torch.Tensor) -> torch.Tensor | None:
+        """(B,) relative_std_floor x the step's std of whole returns without each dialogue."""
+        if not self.scale_by_std or self.relative_std_floor == 0:
+            return None
+        whole = returns_to_go(batch.token_rewards, batch.mask, turn_ids)[:, 0]
+        valid = batch.valid_mask().any(dim=1).to(whole.dtype)
+        # One all-reduce of (count, sum, sum of squares): every rank's dialogues.
+        totals = batch.global_sum(
+            torch.stack([valid.sum(), (whole * valid).sum(), (whole.square() * valid).sum()])
+        )
+        return self.relative_std_floor * leave_one_out_std(whole, totals)
 
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
         turn_ids = _turn_ids(batch)
         per_turn, unmatched = leave_one_out_turn_credit(
             batch.token_rewards, batch.mask, turn_ids, batch.group_ids, batch.valid,
             scale_by_std=self.scale_by_std, std_floor=self.std_floor,
+            scale_floors=self._scale_floors(batch, turn_ids),
         )  # fmt: skip
         advantages = broadcast_turns(per_turn, turn_ids, batch.mask)
         counted = batch.valid_mask().to(advantages.dtype)

@@ -31,7 +31,12 @@ class EmotionChangeReward(RewardFunction):
     no change) are in it already. The turns sum to phi(E_T) - phi(E_0): with the final emotion
     as a potential, this is `final_emotion` less a constant of the dialogue's start, and at
     gamma = 1 it moves each turn's return-to-go to what that turn and the later ones earned.
+    At gamma < 1 shaping is potential-based only as gamma * phi(E_t) - phi(E_{t-1}), which this
+    is not: the trainer refuses the pair (`potential_based`, rlver.train.components).
     """
+
+    # Its turns are differences of a potential, phi(E_t) - phi(E_{t-1}): exact only undiscounted.
+    potential_based = True
 
     def __call__(self, trajectories: Sequence[Trajectory]) -> list[list[float]]:
         scores = []

@@ -159,9 +159,28 @@ def turn_gae(
     return broadcast_turns(advantages, turn_ids, mask), broadcast_turns(returns, turn_ids, mask)
 
 
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """(B, K) G_{i,k}: dialogue i's rewards from turn k on (gamma = 1); 0 on turns it lacks."""
+    per_turn = turn_table(rewards, turn_ids, mask, "sum")
+    present = turn_presence(turn_ids, mask, per_turn.shape[1])
+    return per_turn.flip(1).cumsum(1).flip(1) * present
+
+
+def leave_one_out_std(values: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+    """(B,) the sample std of a population without each of its members: `totals` is (count, sum,
+    sum of squares) of the whole population (e.g. every rank's dialogues), `values` (B,) the
+    members to leave out one at a time; 0 where fewer than two would remain."""
+    count = totals[0] - 1
+    total = totals[1] - values
+    squares = totals[2] - values.square()
+    variance = (squares - total.square() / count.clamp(min=1)) / (count - 1).clamp(min=1)
+    return torch.where(count >= 2, variance.clamp(min=0).sqrt(), torch.zeros_like(values))
+
+
 def leave_one_out_turn_credit(
     rewards: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor, group_ids: torch.Tensor,
     valid: torch.Tensor | None = None, *, scale_by_std: bool = True, std_floor: float = 0.01,
+    scale_floors: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Critic-free turn credit: (B, K) per-turn advantages, and (B, K) bool marking the turns
     that had no baseline (no other member of the group reached them).
@@ -169,15 +188,17 @@ def leave_one_out_turn_credit(
     G_{i,k} is dialogue i's return from turn k on (gamma = 1: the sum of its turn rewards from
     k). Its baseline is the mean of G_{j,k} over the other valid members j of its group that
     reached turn k (0 when none did), and the advantage (G_{i,k} - baseline) / s_i, s_i the
-    std of the other members' whole returns G_{j,0}, at least `std_floor` (1 with fewer than
-    two others, or without `scale_by_std`): a floor, because others that all scored alike
-    would otherwise blow up the one that did not. See rlver_plugins.advantages.TurnCreditEstimator
-    for why this baseline is unbiased where per-turn-index normalisation is not.
+    std of the other members' whole returns G_{j,0}, at least `std_floor` and at least
+    `scale_floors[i]` (1 with fewer than two others, or without `scale_by_std`): floors, because
+    others that all scored alike would otherwise blow up the one that did not. A floor that
+    depends on dialogue i's own return would bias the gradient: `scale_floors` must be computed
+    without it (TurnCreditEstimator uses the step's std without dialogue i). See
+    rlver_plugins.advantages.TurnCreditEstimator for why this baseline is unbiased where
+    per-turn-index normalisation is not.
     """
-    per_turn = turn_table(rewards, turn_ids, mask, "sum")
-    present = turn_presence(turn_ids, mask, per_turn.shape[1])
+    present = turn_presence(turn_ids, mask, turn_table(rewards, turn_ids, mask, "sum").shape[1])
     valid = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device) if valid is None else valid.bool()
-    to_go = per_turn.flip(1).cumsum(1).flip(1) * present
+    to_go = returns_to_go(rewards, mask, turn_ids)
     advantages = torch.zeros_like(to_go)
     unmatched = torch.zeros_like(present)
     for group in torch.unique(group_ids[valid]):
@@ -186,7 +207,8 @@ def leave_one_out_turn_credit(
             others = members[members != i]
             scale = 1.0
             if scale_by_std and others.numel() >= 2:
-                scale = max(float(to_go[others, 0].std()), std_floor)
+                floor = std_floor if scale_floors is None else max(std_floor, float(scale_floors[i]))
+                scale = max(float(to_go[others, 0].std()), floor)
             reached = present[others]  # (n-1, K)
             count = reached.sum(dim=0)
             baseline = (to_go[others] * reached).sum(dim=0) / count.clamp(min=1)

@@ -67,6 +67,18 @@ def clipped_policy_loss(
     return loss, {"clip_fraction": clip_fraction, "approx_kl": approx_kl}
 
 
+def truncated_importance_weights(
+    target_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Detached min(pi_target / pi_behaviour, cap) per token, 1 off the mask (truncated
+    importance sampling: the sampler's tokens reweighted towards the policy being trained)."""
+    with torch.no_grad():
+        log_ratio = torch.where(
+            mask.bool(), target_logprobs - behaviour_logprobs, torch.zeros_like(target_logprobs)
+        )
+        return torch.exp(log_ratio.clamp(max=20.0)).clamp(max=cap)
+
+
 def clipped_value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

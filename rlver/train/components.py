@@ -12,6 +12,7 @@ from typing import Any
 from rlver.core.plugins import get_registry, plain_config, split_spec
 from rlver.modeling.lora import LoraSettings
 from rlver.modeling.models import DTYPES
+from rlver.rollout.overlap import OverlapSettings
 from rlver.rollout.runner import RolloutSettings
 from rlver.train.curriculum import DifficultyCurriculum
 from rlver.train.ppo_update import PPOSettings
@@ -39,6 +40,38 @@ def build_rewards(registry: Any, specs: Sequence[ComponentSpec]) -> list[tuple[s
         weight = float(options.pop("weight", 1.0))
         built.append((name, weight, registry.build("rewards", {"name": name, **options}, flag=flag)))
     return built
+
+
+def check_potential_rewards(rewards: list[tuple[str, float, Any]], estimator: Any, advantage: Any) -> None:
+    """Refuse a discounted estimator with a reward made of potential differences (`potential_based`).
+
+    phi(E_t) - phi(E_{t-1}) per turn sums to phi(E_T) - phi(E_0) only at gamma = 1; discounted,
+    the early turns' credit would count the later potential at full weight and the sum would no
+    longer be the final emotion: the run would train on another objective without a word.
+    """
+    gamma = getattr(estimator, "gamma", 1.0)
+    if gamma >= 1.0:
+        return
+    for name, _, function in rewards:
+        if getattr(function, "potential_based", False):
+            advantage_name, _ = split_spec(advantage, flag="--model.advantage")
+            raise ValueError(
+                f"--model.rewards: {name} is potential-based only at gamma = 1 (its per-turn "
+                f"differences phi(E_t) - phi(E_t-1) need gamma * phi(E_t) when discounted), but "
+                f"--model.advantage {advantage_name} has gamma {gamma}: set gamma to 1.0 or use final_emotion"
+            )
+
+
+def overlap_settings(overlap: Any, ppo: PPOSettings) -> OverlapSettings | None:
+    """`--model.overlap` as settings; refused beside `--model.ppo.engine_importance_cap`, which
+    would weight the tokens a second time (the overlapped mode's own weight covers the engine)."""
+    settings = OverlapSettings(**plain_config(overlap)) if isinstance(overlap, dict) else overlap
+    if settings is not None and ppo.engine_importance_cap:
+        raise ValueError(
+            "--model.ppo.engine_importance_cap is for the synchronous schedules: the overlapped "
+            "one already weights each token by pi_prox / pi_engine (--model.overlap.max_importance_weight)"
+        )
+    return settings
 
 
 def checked_settings(
@@ -109,6 +142,7 @@ def build_components(
     reward_functions = build_rewards(
         registry, plain_config(rewards) if rewards is not None else ["final_emotion"]
     )
+    check_potential_rewards(reward_functions, estimator, specs["advantage"])
     if getattr(estimator, "requires_critic", False) is False and critic is not None:
         raise ValueError("--model.critic is set but the advantage estimator trains no critic")
     if group_size < 2 and getattr(estimator, "requires_groups", False):

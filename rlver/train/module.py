@@ -45,7 +45,7 @@ from rlver.rollout.overlap import OverlapSettings, RolloutPipeline, engine_for_o
 from rlver.rollout.runner import RolloutRunner, RolloutSettings
 from rlver.rollout.step_rollouts import StepRollouts
 from rlver.train import ranks
-from rlver.train.components import ComponentSpec, build_components, checked_settings
+from rlver.train.components import ComponentSpec, build_components, checked_settings, overlap_settings
 from rlver.train.evaluation import EvaluationHooks
 from rlver.train.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.train.run_log import (
@@ -139,7 +139,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             dtype, group_size, actor_warmup_ratio, critic_warmup_ratio, rollout, ppo, lora, eval_temperature,
             curriculum,
         )  # fmt: skip
-        self.overlap = OverlapSettings(**overlap) if isinstance(overlap, dict) else overlap
+        self.overlap = overlap_settings(overlap, self.ppo)
         self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's steps ahead
         self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
@@ -328,8 +328,9 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
                 optimizer.zero_grad()
             return
         logprob_metrics(
-            policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics
-        )
+            policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics,
+            self.ppo.engine_importance_cap,
+        )  # fmt: skip
         sync_started = time.perf_counter()
         if self.overlap is None:  # overlapped: synced before the next rollout starts (timed there)
             self.runner.engine.sync_weights()

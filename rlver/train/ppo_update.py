@@ -27,6 +27,7 @@ from rlver.rl.losses import (
     kl_estimate,
     loss_weight,
     masked_mean,
+    truncated_importance_weights,
 )
 from rlver.rl.metrics import WeightedMeans
 from rlver.train.ranks import Lockstep
@@ -52,6 +53,12 @@ class PPOSettings:
             reads (False: at every position, as rlver did before; kept for comparison).
         share_prompt_prefix: Run the prompt that a micro-batch's sequences share (a GRPO group's
             opening) once, not once per sequence (rlver.modeling.shared_prefix; False: as before).
+        engine_importance_cap: Multiply each token's advantage by min(pi_trainer / pi_engine,
+            cap), pi_trainer the trainer's log-prob of the sampled token before the update and
+            pi_engine the engine's (truncated importance sampling for a sampler whose numerics
+            differ from the trainer's: vLLM's kernels, bf16). 0: off, the default, for engines
+            that match the trainer (`rollout/logprob_gap_mean` and `rollout/logprob_k3` show how
+            far they are apart). The overlapped mode corrects with `--model.overlap.max_importance_weight`.
     """
 
     ppo_epochs: int = 1
@@ -67,9 +74,14 @@ class PPOSettings:
     kl_mode: str = "in-loss"
     head_at_loss_positions: bool = True
     share_prompt_prefix: bool = True
+    engine_importance_cap: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
+            (
+                self.engine_importance_cap == 0 or self.engine_importance_cap >= 1,
+                f"--model.ppo.engine_importance_cap ({self.engine_importance_cap}) must be 0 (off) or >= 1",
+            ),
             (self.ppo_epochs >= 1, f"--model.ppo.ppo_epochs ({self.ppo_epochs}) must be >= 1"),
             (self.minibatch_size >= 0, f"--model.ppo.minibatch_size ({self.minibatch_size}) must be >= 0"),
             (
@@ -214,6 +226,7 @@ def ppo_update(
                 settings,
                 temperature,
                 keep_logprobs=None if logprobs_out is None or empty else _writer(logprobs_out, rows_here),
+                engine_logprobs=batch.engine_logprobs[rows_here] if settings.engine_importance_cap else None,
             )
             loss = loss * weight
             if value_model is not None and returns is not None and old_values is not None:
@@ -275,11 +288,13 @@ def actor_loss(
     settings: PPOSettings,
     temperature: float = 1.0,
     keep_logprobs: Callable[[torch.Tensor], None] | None = None,
+    engine_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The policy's loss on one micro-batch: clipped surrogate - entropy bonus (+ KL in the loss).
 
     `old_logprobs` None: on-policy, the log-probs computed here, detached (ratio exactly 1).
-    `keep_logprobs` is called with the detached log-probs.
+    `keep_logprobs` is called with the detached log-probs. `engine_logprobs` given (with
+    `settings.engine_importance_cap`): each advantage times min(pi_old / pi_engine, cap).
     """
     logprobs, entropy = policy_logprobs(
         policy_model, input_ids, attention_mask, mask, temperature, with_entropy=True,
@@ -289,6 +304,11 @@ def actor_loss(
         old_logprobs = logprobs.detach()
     if keep_logprobs is not None:
         keep_logprobs(logprobs.detach())
+    if engine_logprobs is not None and settings.engine_importance_cap:
+        # The weight is positive and detached: scaling the advantage scales the surrogate.
+        advantages = advantages * truncated_importance_weights(
+            old_logprobs, engine_logprobs, mask, settings.engine_importance_cap
+        )
     policy_loss, stats = clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, settings.clip_ratio, settings.loss_aggregation
     )

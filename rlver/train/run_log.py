@@ -26,17 +26,23 @@ SUMMED_METRICS = (
     "test/simulator_errors",
 )
 SUMMED_PREFIXES = ("simulator/", "advantage/degenerate_groups")
+# Largest values: the maximum over ranks (a mean would hide the one rank where it blew up).
+MAXED_METRICS = ("advantage/max_abs", "rollout/logprob_gap")
 # Shown in the progress bar.
 PROGRESS_BAR = {"rollout/final_emotion", "reward/total", "val/final_emotion"}
 
 
 def merge_rank_metrics(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """One metrics dict from every rank's: counters summed, others averaged where reported."""
+    """One metrics dict from every rank's: counters summed, maxima the largest, others averaged
+    where reported."""
     merged: dict[str, float] = {}
     for name in sorted({name for metrics in per_rank for name in metrics}):
         values = [metrics[name] for metrics in per_rank if name in metrics]
         summed = name in SUMMED_METRICS or name.startswith(SUMMED_PREFIXES)
-        merged[name] = sum(values) if summed else sum(values) / len(values)
+        if name in MAXED_METRICS:
+            merged[name] = max(values)
+        else:
+            merged[name] = sum(values) if summed else sum(values) / len(values)
     return merged
 
 

@@ -11,6 +11,7 @@ own scoring pass is left out: the update's forward gives the same log-probs.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -216,12 +217,24 @@ def logprob_metrics(
     mask: torch.Tensor,
     kl_estimator: str,
     metrics: dict[str, float],
+    engine_importance_cap: float = 0.0,
 ) -> None:
-    """The policy's largest gap to the engine's log-probs (`rollout/logprob_gap`), and its KL to the
-    reference (`ppo/kl`), from the sampling policy's log-probs (scoring's, or the on-policy update's)."""
+    """How far the engine's log-probs are from the trainer's, from the sampling policy's log-probs
+    (scoring's, or the on-policy update's): the largest gap (`rollout/logprob_gap`, a max over
+    ranks), the mean gap (`rollout/logprob_gap_mean`) and the k3 estimate of KL(engine ||
+    trainer) (`rollout/logprob_k3`); with `engine_importance_cap`, the share of tokens whose
+    weight it truncated (`rollout/engine_weight_truncated_fraction`). And the KL to the
+    reference (`ppo/kl`)."""
     if not mask.any():
         return
-    metrics["rollout/logprob_gap"] = ((policy_logprobs - engine_logprobs).abs() * mask).max().item()
+    gap = (policy_logprobs - engine_logprobs).abs() * mask
+    metrics["rollout/logprob_gap"] = gap.max().item()
+    metrics["rollout/logprob_gap_mean"] = masked_mean(gap, mask).item()
+    mismatch = kl_estimate(engine_logprobs, policy_logprobs, "k3", mask)  # samples from the engine
+    metrics["rollout/logprob_k3"] = masked_mean(mismatch, mask).item()
+    if engine_importance_cap:
+        above = (policy_logprobs - engine_logprobs > math.log(engine_importance_cap)) & mask.bool()
+        metrics["rollout/engine_weight_truncated_fraction"] = masked_mean(above.to(gap.dtype), mask).item()
     if ref_logprobs is not None:
         kl = kl_estimate(policy_logprobs, ref_logprobs, kl_estimator, mask)
         metrics["ppo/kl"] = masked_mean(kl, mask).item()
@@ -278,6 +291,8 @@ def token_advantages(
     if mask.any():
         metrics["advantage/mean"] = masked_mean(advantages, mask).item()
         metrics["advantage/abs_mean"] = masked_mean(advantages.abs(), mask).item()
+        # The largest is what a floor or a whitening gone wrong shows first (merged as a max).
+        metrics["advantage/max_abs"] = (advantages.abs() * mask).max().item()
         if returns is not None and old_values is not None:
             metrics["ppo/explained_variance"] = explained_variance(old_values, returns, mask).item()
     return advantages, returns
