@@ -1,7 +1,7 @@
 """The `rlver` command: the top layer, the console script's entry and `python -m rlver.cli`.
 
 `fit`, `validate` and `test` are LightningCLI subcommands over RLVERModule and
-ProfileDataModule; `plugins`, `rollout`, `export`, `score` and `plan` are rlver's own
+ProfileDataModule; `plugins`, `rollout`, `export`, `score`, `eval`, `plan` and `ablate` are rlver's own
 (`rlver.commands`). Plugins are loaded before any parser is built, so their component names
 and options are known when a config is read.
 """
@@ -17,6 +17,8 @@ quiet_libraries()  # before torch loads (below): its C++ warnings read their lev
 
 from rlver import __version__  # noqa: E402
 from rlver.checkpoint.io import CheckpointWriteError  # noqa: E402
+from rlver.commands.ablate import ablate_command  # noqa: E402
+from rlver.commands.capabilities import eval_command  # noqa: E402
 from rlver.commands.recipes import _lightning_cli_class, check_config_files, parse_recipe  # noqa: E402
 from rlver.commands.rollout import build_runner, rollout_command, rollout_parser  # noqa: E402
 from rlver.commands.standalone import export_command, plan_command, plugins_command, score_command  # noqa: E402
@@ -62,6 +64,8 @@ COMMANDS = {
     "export": export_command,
     "score": score_command,
     "plan": plan_command,
+    "eval": eval_command,
+    "ablate": ablate_command,
 }
 TRAINER_COMMANDS = ("fit", "validate", "test")
 
@@ -76,8 +80,10 @@ commands:
   rollout    run dialogues, write transcripts, print a summary
   export     write a checkpoint's policy as a Hugging Face folder
   score      score transcript files (Sentient benchmark): leaderboard and emotion plot
+  eval       general capabilities (maths, code) through lm-eval; --compare BEFORE AFTER
   plan       GPU memory of each phase of a recipe's training step; exit 1 if one does not fit
   plugins    list installed plugins and what they register (JSON)
+  ablate     train arms x seeds (rlver fit each), resumable; tables with paired 95% intervals
 
 `--verbose` anywhere (or RLVER_VERBOSE=1) also shows the libraries' own logging and warnings.
 

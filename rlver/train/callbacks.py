@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import lightning as L
 
 from rlver.checkpoint.stopping import last_checkpoint_path
 from rlver.core.console import phase
+from rlver.core.emotion import DIFFICULTIES
 from rlver.evaluate.intervals import paired_by_key, per_user_means
 
 
@@ -18,22 +20,39 @@ class BeforeAfter(L.Callback):
     """Shows that the policy learned: held-out users' final emotion before and after training, paired.
 
     Evaluates at `eval_temperature` (greedy by default) on the first `limit` profiles of
-    `split` when training starts (fresh runs only: a resumed run's "before" is not the start)
+    `split` when training starts (a resumed run keeps the "before" of its first start)
     and when it ends, then prints both, the paired change with its 95% interval over users
     (rlver.evaluate.intervals), and where to look next; `<log dir>/before_after.json` keeps every user's
     scores. The evaluation has its own `seed` (the simulated users' wording), not the training's:
     the untrained model's score is then the same whatever the training seed, and before and after
     differ only by what training changed. Every rank talks with the same users (so sharded
-    generation stays in step); rank 0 prints.
+    generation stays in step); rank 0 prints. The "before" scores are written to
+    `before_after.json` as soon as they exist, so a run killed and resumed (`--ckpt_path last`)
+    still reports its paired change (`rlver ablate` resumes runs this way).
 
     Args:
         split: The data split to evaluate on: test or val.
         limit: How many of its profiles (0: all).
         seed: The evaluation's seed (fixed: independent of `seed_everything` and the rollout seed).
         samples: Dialogues per user, at seeds `seed`, `seed + 1`, ...; a user's score is their mean.
+        difficulty: The users' difficulty in these dialogues (a level name: easy, normal, hard);
+            None: the simulator's own. Pin it to compare runs trained against different users on
+            the same test users (the environment ablation).
     """
 
-    def __init__(self, split: str = "test", limit: int = 0, seed: int = 0, samples: int = 1) -> None:
+    def __init__(
+        self,
+        split: str = "test",
+        limit: int = 0,
+        seed: int = 0,
+        samples: int = 1,
+        difficulty: str | None = None,
+    ) -> None:
+        if difficulty is not None and difficulty not in DIFFICULTIES:
+            raise ValueError(
+                f"BeforeAfter difficulty ({difficulty!r}) must be one of {', '.join(DIFFICULTIES)} or null"
+            )
+        self.difficulty = difficulty
         if split not in ("test", "val"):
             raise ValueError(f"BeforeAfter split ({split!r}) must be test or val")
         if limit < 0:
@@ -46,6 +65,8 @@ class BeforeAfter(L.Callback):
     def _finals(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
         profiles = trainer.datamodule.profiles(self.split)
         profiles = profiles[: self.limit] if self.limit else profiles
+        if self.difficulty is not None:
+            profiles = [replace(p, extra={**p.extra, "difficulty": self.difficulty}) for p in profiles]
         return heldout_scores(pl_module.evaluation_rollouts, profiles, self.seed, self.samples)
 
     def _users(self, trainer: L.Trainer) -> str:
@@ -55,11 +76,46 @@ class BeforeAfter(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.runner.engine.sync_weights()  # an engine with its own copy must hold these weights
+        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
         if trainer.global_step != 0:
-            self.before = None
+            self.before = self._saved_before(log_dir)
             return
         with phase(f"talking with {self._users(trainer)} before training (greedy)"):
             self.before = self._finals(trainer, pl_module)
+        if log_dir and trainer.global_rank == 0:
+            self._write(log_dir, {**self._settings(), "step": 0, "before": self.before, "after": None})
+
+    def _settings(self) -> dict[str, Any]:
+        """What decides who the users are: a saved "before" is reused only under the same settings."""
+        return {
+            "split": self.split,
+            "limit": self.limit,
+            "seed": self.seed,
+            "samples": self.samples,
+            "difficulty": self.difficulty,
+        }
+
+    def _saved_before(self, log_dir: str | None) -> dict[str, float] | None:
+        """A resumed run's "before", as its first start wrote it (None if absent or made otherwise)."""
+        path = Path(log_dir or "") / "before_after.json"
+        if not log_dir or not path.is_file():
+            return None
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        settings = self._settings()
+        if any(record.get(key, settings[key]) != value for key, value in settings.items()):
+            return None
+        return record.get("before")
+
+    @staticmethod
+    def _write(log_dir: str, record: dict[str, Any]) -> None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(log_dir) / "before_after.json"
+        partial = path.with_name(path.name + ".partial")  # never half a file where a reader looks
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        partial.replace(path)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         with phase(f"talking with {self._users(trainer)} after training (greedy)"):
@@ -85,17 +141,14 @@ class BeforeAfter(L.Callback):
         else:
             lines.append(f"  after {trainer.global_step} steps  {mean_after:.1f}  (resumed run: no 'before')")
         record = {
-            "split": self.split,
-            "seed": self.seed,
-            "samples": self.samples,
+            **self._settings(),
             "step": trainer.global_step,
             "before": self.before,
             "after": after,
             "change": change.as_dict() if change is not None else None,
         }
         if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(log_dir) / "before_after.json").write_text(json.dumps(record, indent=1) + "\n")
+            self._write(log_dir, record)
         lines += [
             f"  curves      tensorboard --logdir {log_dir}",
             f"  checkpoint  {checkpoint}",

@@ -1,0 +1,182 @@
+"""An ablation's numbers: arms x seeds of training runs, summarized per arm and paired against the first.
+
+Each run (one arm, one training seed) brings the greedy held-out score of every user before and
+after training (`BeforeAfter`'s `before_after.json`) and its training curve (the mean final
+emotion of each step's training dialogues: the one measure every arm shares, whatever its own
+reward). Per arm: the mean over seeds of each run's mean over users, with the standard error
+over seeds (the spread a reader should compare differences against).
+
+Each arm's paired difference to the first arm (the reference): same training seed, same users,
+so per (seed, user) the difference of the two greedy scores after training. Which interval:
+a Student t interval over the seeds' mean differences (n_seeds - 1 degrees of freedom,
+`rlver.evaluate.intervals.mean_interval`, scipy). Why not over all seeds x users as if
+independent: the users of one seed talked with the same trained weights, so their differences
+share that run's luck (the runs of the published ablations spread gains over 6+ points between
+seeds, per-user noise is much smaller); pooling them would count one lucky run as 64 pieces of
+evidence and give intervals far too narrow. The seed is the unit that is replicated
+independently, so the interval is over seeds; the users enter through each seed's mean (which
+averages their noise away) and are the same fixed set everywhere, like a benchmark's items, so
+the interval speaks for these users. With a single common seed no training noise can be
+measured: the interval is then over that seed's users and is labelled so (`unit: "users"`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlver.evaluate.intervals import mean_interval
+
+# The training reward's tail: the mean of a run's last steps, a less noisy end point than one step.
+TAIL_STEPS = 3
+
+
+@dataclass(frozen=True)
+class RunScores:
+    """One finished run: its arm, its seed, per-user greedy scores, and the training curve by step."""
+
+    arm: str
+    seed: int
+    after: Mapping[str, float]
+    before: Mapping[str, float] | None = None
+    curve: Mapping[int, float] = field(default_factory=dict)
+    seconds: float | None = None
+
+    @property
+    def after_mean(self) -> float:
+        return math.fsum(self.after.values()) / len(self.after)
+
+    @property
+    def before_mean(self) -> float | None:
+        if not self.before:
+            return None
+        return math.fsum(self.before.values()) / len(self.before)
+
+    @property
+    def gain(self) -> float | None:
+        """After minus before, paired per user (None without a `before`)."""
+        if not self.before:
+            return None
+        users = _same_users(self.before, self.after, f"arm {self.arm} seed {self.seed}: before and after")
+        return math.fsum(self.after[u] - self.before[u] for u in users) / len(users)
+
+    @property
+    def tail(self) -> float | None:
+        if not self.curve:
+            return None
+        last = [self.curve[step] for step in sorted(self.curve)[-TAIL_STEPS:]]
+        return math.fsum(last) / len(last)
+
+
+@dataclass(frozen=True)
+class MeanError:
+    """A mean over seeds and its standard error (NaN from one seed)."""
+
+    mean: float
+    error: float
+    count: int
+
+    def format(self, signed: bool = False) -> str:
+        spec = "+.1f" if signed else ".1f"
+        if not math.isfinite(self.error):
+            return f"{self.mean:{spec}}"
+        return f"{self.mean:{spec}} ± {self.error:.1f}"
+
+    def as_dict(self) -> dict[str, float]:
+        return {"mean": self.mean, "error": self.error, "count": self.count}
+
+
+def mean_error(values: Sequence[float]) -> MeanError:
+    """The mean and its standard error (scipy's `sem`, n - 1 in the variance)."""
+    from scipy import stats
+
+    if not values:
+        raise ValueError("mean_error needs at least one value")
+    mean = math.fsum(values) / len(values)
+    error = float(stats.sem(values)) if len(values) > 1 else math.nan
+    return MeanError(mean, error, len(values))
+
+
+def _same_users(first: Mapping[str, float], second: Mapping[str, float], what: str) -> list[str]:
+    unpaired = sorted(set(first) ^ set(second))
+    if unpaired:
+        shown = ", ".join(unpaired[:5]) + (" ..." if len(unpaired) > 5 else "")
+        raise ValueError(f"{what}: not the same users ({len(unpaired)} unpaired: {shown})")
+    return sorted(first)
+
+
+def paired_difference(reference: Sequence[RunScores], arm: Sequence[RunScores]) -> dict[str, Any]:
+    """`arm` minus `reference` after training, paired per (seed, user); the interval as the module says.
+
+    Only seeds both arms finished count; each such seed must have the same users in both.
+    """
+    by_seed = {run.seed: run for run in reference}
+    pairs = [(by_seed[run.seed], run) for run in sorted(arm, key=lambda r: r.seed) if run.seed in by_seed]
+    if not pairs:
+        raise ValueError("no seed finished in both arms: nothing to pair")
+    seed_means, user_differences = [], []
+    for ref, run in pairs:
+        users = _same_users(ref.after, run.after, f"arm {run.arm} against {ref.arm} at seed {run.seed}")
+        differences = [run.after[u] - ref.after[u] for u in users]
+        user_differences.append(differences)
+        seed_means.append(math.fsum(differences) / len(differences))
+    if len(pairs) > 1:
+        interval, unit = mean_interval(seed_means), "seeds"
+    else:  # one seed: only the users' noise is measurable
+        interval, unit = mean_interval(user_differences[0]), "users"
+    flat = [d for differences in user_differences for d in differences]
+    return {
+        "seeds": [run.seed for _, run in pairs],
+        "per_seed": seed_means,
+        "pairs": len(flat),
+        "better": sum(d > 0 for d in flat),
+        "worse": sum(d < 0 for d in flat),
+        "unit": unit,
+        **interval.as_dict(),
+        "outside_noise": interval.excludes_zero,
+    }
+
+
+def curve_by_step(runs: Sequence[RunScores]) -> dict[int, MeanError]:
+    """Per step that every run logged: the training reward's mean and standard error over seeds."""
+    common = set.intersection(*(set(run.curve) for run in runs)) if runs else set()
+    return {step: mean_error([run.curve[step] for run in runs]) for step in sorted(common)}
+
+
+def summarize(runs: Sequence[RunScores], arms: Sequence[str]) -> dict[str, Any]:
+    """The ablation's results as plain data (results.json): per arm, then paired to `arms[0]`.
+
+    Arms without a finished run are listed with `runs: 0`; they get no numbers.
+    """
+    by_arm = {name: sorted((r for r in runs if r.arm == name), key=lambda r: r.seed) for name in arms}
+    summary: dict[str, Any] = {"reference": arms[0] if arms else None, "arms": {}, "tail_steps": TAIL_STEPS}
+    for name, arm_runs in by_arm.items():
+        row: dict[str, Any] = {"runs": len(arm_runs), "seeds": [r.seed for r in arm_runs]}
+        if arm_runs:
+            befores = [r.before_mean for r in arm_runs if r.before_mean is not None]
+            gains = [r.gain for r in arm_runs if r.gain is not None]
+            tails = [r.tail for r in arm_runs if r.tail is not None]
+            seconds = [r.seconds for r in arm_runs if r.seconds is not None]
+            row.update(
+                users=len(arm_runs[0].after),
+                before=mean_error(befores).as_dict() if befores else None,
+                after=mean_error([r.after_mean for r in arm_runs]).as_dict(),
+                gain=mean_error(gains).as_dict() if gains else None,
+                training_tail=mean_error(tails).as_dict() if tails else None,
+                seconds=mean_error(seconds).as_dict() if seconds else None,
+                curve={str(step): value.as_dict() for step, value in curve_by_step(arm_runs).items()},
+                per_seed={
+                    str(r.seed): {"before": r.before_mean, "after": r.after_mean, "gain": r.gain}
+                    for r in arm_runs
+                },
+            )
+            reference = by_arm[arms[0]]
+            if name != arms[0] and reference:
+                try:
+                    row["difference"] = paired_difference(reference, arm_runs)
+                except ValueError as error:
+                    row["difference"] = {"error": str(error)}
+        summary["arms"][name] = row
+    return summary

@@ -1,0 +1,109 @@
+"""An ablation's summary (`rlver.evaluate.ablation.summarize`) as Markdown tables and a curves plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from rlver.evaluate.ablation import MeanError
+
+
+def _cell(value: dict[str, float] | None, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return MeanError(value["mean"], value["error"], int(value["count"])).format(signed)
+
+
+def _difference_cell(difference: dict[str, Any] | None) -> str:
+    if difference is None:
+        return "(reference)"
+    if "error" in difference:
+        return f"n/a ({difference['error']})"
+    interval = f"{difference['mean']:+.1f} [{difference['low']:+.1f}, {difference['high']:+.1f}]"
+    if difference["count"] < 2:
+        interval = f"{difference['mean']:+.1f} (no interval: one value)"
+    verdict = "**outside the noise**" if difference["outside_noise"] else "within the noise"
+    over = f"t over {difference['count']} {difference['unit']}"
+    return f"{interval}, {verdict} ({over}; {difference['better']}/{difference['pairs']} pairs better)"
+
+
+def markdown(summary: dict[str, Any], title: str = "Ablation") -> str:
+    """The per-arm table, the paired differences to the reference arm, and the curves by step."""
+    arms = summary["arms"]
+    reference = summary["reference"]
+    lines = [
+        f"# {title}",
+        "",
+        "Greedy held-out score: each run's mean final emotion of the held-out users before and after"
+        " training (`BeforeAfter`); training: the mean final emotion of each step's training dialogues,"
+        f" its last {summary['tail_steps']} steps. Mean ± standard error over seeds.",
+        "",
+        "| arm | seeds | users | greedy before | greedy after | gain | training, last steps | s/run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in arms.items():
+        if not row["runs"]:
+            lines.append(f"| {name} | 0 | | | | | | |")
+            continue
+        seconds = "n/a" if row["seconds"] is None else f"{row['seconds']['mean']:.0f}"
+        lines.append(
+            f"| {name} | {', '.join(map(str, row['seeds']))} | {row['users']} | {_cell(row['before'])} | "
+            f"{_cell(row['after'])} | {_cell(row['gain'], signed=True)} | {_cell(row['training_tail'])} "
+            f"| {seconds} |"
+        )
+    lines += [
+        "",
+        f"Paired difference to `{reference}` after training (same seed, same users; 95% interval: Student t"
+        " over the seeds' mean differences, or over the users when only one seed is shared):",
+        "",
+        "| arm | difference [95% interval] |",
+        "|---|---|",
+    ]
+    for name, row in arms.items():
+        if row["runs"]:
+            lines.append(f"| {name} | {_difference_cell(row.get('difference'))} |")
+    with_curves = [name for name, row in arms.items() if row.get("curve")]
+    if with_curves:
+        steps = sorted({int(step) for name in with_curves for step in arms[name]["curve"]})
+        lines += [
+            "",
+            "Training reward by step (mean ± standard error over seeds):",
+            "",
+            "| step | " + " | ".join(with_curves) + " |",
+            "|---" * (len(with_curves) + 1) + "|",
+        ]
+        for step in steps:
+            cells = [_cell(arms[name]["curve"].get(str(step))) for name in with_curves]
+            lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(summary: dict[str, Any], path: Path) -> None:
+    """The training reward by step per arm: the mean over seeds with a ±1 standard error band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, row in summary["arms"].items():
+        curve = row.get("curve") or {}
+        if not curve:
+            continue
+        steps = sorted(int(step) for step in curve)
+        means = [curve[str(step)]["mean"] for step in steps]
+        errors = [curve[str(step)]["error"] for step in steps]
+        (line,) = axes.plot(steps, means, label=f"{name} ({row['runs']} seeds)")
+        if all(math.isfinite(error) for error in errors):
+            low = [m - e for m, e in zip(means, errors, strict=True)]
+            high = [m + e for m, e in zip(means, errors, strict=True)]
+            axes.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
+    axes.set_xlabel("training step")
+    axes.set_ylabel("mean final emotion of the step's dialogues")
+    axes.set_title("training reward by step (band: ±1 standard error over seeds)")
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
