@@ -25,11 +25,9 @@ next to the users' latency, which is the regime this measures.
     .venv/bin/python benchmarks/async_rollouts.py [--steps 4] [--scale 1.0] [--latencies ...]
         [--modes lockstep dialogue overlapped] [--out runs/async_rollouts.json]
 
-The learning check (`--learning-check`): the quickstart recipe (SmolLM2, embedded user) as it
-is and with `--model.overlap`, for each seed; prints each run's greedy held-out score before and
-after training and the mean gain +- standard error per mode.
-
-    .venv/bin/python benchmarks/async_rollouts.py --learning-check [--seeds 0 1 2] [--steps 28]
+Whether overlapped steps learn as on-policy ones do is an ablation, not a speed figure:
+`rlver ablate --arms recipes/ablations/overlap.yaml` (the quickstart as it is and with
+`--model.overlap`, 3 seeds, paired intervals).
 
 Figures go in docs/performance.md by hand, with the date, the machine and the command.
 """
@@ -38,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -177,45 +174,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-BEFORE = re.compile(r"before training\s+(-?[\d.]+)")
-AFTER = re.compile(r"after (\d+) steps\s+(-?[\d.]+)")
-
-
-def learning_check(seeds: list[int], steps: int, work: Path) -> list[dict]:
-    """The quickstart on-policy and overlapped, per seed: greedy before/after on 16 held-out users."""
-    runs = []
-    for seed in seeds:
-        for mode, extra in (
-            ("on-policy", []),
-            ("overlapped", ["--model.overlap", "{max_importance_weight: 2.0}"]),
-        ):
-            root = work / f"{mode}-seed{seed}"
-            command = [
-                sys.executable, "-m", "rlver.cli", "fit", "--config", "recipes/quickstart.yaml",
-                "--seed_everything", str(seed), "--model.rollout.seed", str(seed),
-                "--trainer.max_steps", str(steps), "--trainer.max_time", "null",
-                "--trainer.default_root_dir", str(root), *extra,
-            ]  # fmt: skip
-            started = time.perf_counter()
-            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise SystemExit(f"{mode} seed {seed} failed:\n{(result.stdout + result.stderr)[-3000:]}")
-            before, after = BEFORE.search(result.stdout), AFTER.search(result.stdout)
-            run = {
-                "mode": mode, "seed": seed, "steps": int(after.group(1)), "before": float(before.group(1)),
-                "after": float(after.group(2)), "seconds": round(time.perf_counter() - started, 1),
-            }  # fmt: skip
-            print(json.dumps(run), flush=True)
-            runs.append(run)
-    for mode in ("on-policy", "overlapped"):
-        gains = [r["after"] - r["before"] for r in runs if r["mode"] == mode]
-        spread = statistics.stdev(gains) / len(gains) ** 0.5 if len(gains) > 1 else float("nan")
-        seconds = statistics.mean(r["seconds"] for r in runs if r["mode"] == mode)
-        mean = statistics.mean(gains)
-        print(f"{mode:<11} greedy gain {mean:+.1f} +- {spread:.1f}  ({gains}; {seconds:.0f} s a run)")
-    return runs
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="steps per run (medians of steps 2..N)")
@@ -223,18 +181,7 @@ def main() -> None:
     parser.add_argument("--latencies", nargs="+", default=list(LATENCIES), choices=list(LATENCIES))
     parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "async_rollouts.json")
-    parser.add_argument(
-        "--learning-check", action="store_true", help="the quickstart, on-policy vs overlapped"
-    )
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
-    if args.learning_check:
-        runs = learning_check(
-            args.seeds, args.steps if args.steps != 4 else 28, REPO / "runs" / "async_learning"
-        )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_name("async_learning.json").write_text(json.dumps(runs, indent=1))
-        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlver-async-") as folder:
         work = Path(folder)
