@@ -128,6 +128,7 @@ LONGEST_FIRST = [
     "test_warm_launcher.py",
     "test_lora.py",
     "test_stopping.py",
+    "test_ablation.py",
     "test_console.py",
     "test_distributed.py",
     "test_rollout.py",
