@@ -201,7 +201,7 @@ def test_launcher_print_writes_one_fit_a_line_resuming_and_skipping(tmp_path, ca
     flags += ["--seeds", "0", "1", "--steps", "3", "--out", str(out), "--launcher", "print"]
     (out / "ref" / "seed-1" / "checkpoints").mkdir(parents=True)
     (out / "ref" / "seed-1" / "checkpoints" / "last.ckpt").write_bytes(b"")
-    (out / "lr" / "seed-1").mkdir(parents=True)
+    write_run(out / "lr" / "seed-1", {"u": 1.0}, {"u": 2.0}, [{1: 1.0}], max_steps=3)
     (out / "lr" / "seed-1" / DONE_FILE).write_text("{}")
     assert ablate_command(flags) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -342,3 +342,26 @@ def test_a_two_arm_two_seed_ablation_killed_once_then_rerun_to_completion(tmp_pa
     (out / "results.json").unlink()
     assert run_rlver(["ablate", "--collect", str(out)], cwd=tmp_path, env=env).returncode == 0
     assert json.loads((out / "results.json").read_text())["arms"] == results["arms"]
+
+
+def test_parallel_runs_get_disjoint_cores():
+    from rlver.commands.ablate import core_slots
+
+    cores = sorted(os.sched_getaffinity(0))
+    slots = core_slots(len(cores))
+    shares = [slots.get_nowait() for _ in range(len(cores))]
+    assert sorted(core for share in shares for core in share) == cores and all(len(s) == 1 for s in shares)
+    more = core_slots(len(cores) + 1)  # more runs than cores: every run still gets one
+    assert all(more.get_nowait() for _ in range(len(cores) + 1))
+
+
+def test_a_longer_rerun_continues_finished_runs(tmp_path):
+    from rlver.commands.ablation_runs import is_finished
+
+    folder = tmp_path / "a" / "seed-0"
+    write_run(folder, {"u": 1.0}, {"u": 2.0}, [{1: 1.0}], max_steps=3)
+    assert is_finished(folder) and is_finished(folder, 3)  # by its before_after.json and config.yaml
+    (folder / DONE_FILE).write_text("{}")
+    assert is_finished(folder, 3) and not is_finished(folder, 5)
+    (folder / "tensorboard" / "before_after.json").write_text(json.dumps({"step": 0, "after": None}))
+    assert not is_finished(tmp_path / "a" / "seed-0", 3)  # a marker without scores is not a result

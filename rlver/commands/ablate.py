@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import re
 import shlex
 import subprocess
@@ -173,8 +174,52 @@ class Progress:
             self.remaining -= 1
 
 
+def core_slots(parallel: int) -> queue.Queue[list[int]]:
+    """`parallel` disjoint sets of this process's cores (shared round-robin when there are fewer)."""
+    cores = sorted(os.sched_getaffinity(0))
+    slots: queue.Queue[list[int]] = queue.Queue()
+    for slot in range(parallel):
+        slots.put(cores[slot::parallel] or [cores[slot % len(cores)]])
+    return slots
+
+
+def _fit(
+    arguments: list[str],
+    environment: dict[str, str],
+    cores: list[int] | None,
+    log_path: Path,
+    label: str,
+    progress: Progress,
+    started: float,
+) -> int:
+    """`rlver fit` in a child process, its output to `log_path`, a progress line per step; its status."""
+    first_step = None
+    with log_path.open("a") as log:
+        log.write(f"$ rlver {shlex.join(arguments)}\n")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rlver.cli", *arguments],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=environment,
+        )
+        if cores is not None:  # set while it is still importing: every thread and rank it starts inherits it
+            os.sched_setaffinity(process.pid, cores)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log.write(line)
+            log.flush()
+            match = STEP_LINE.match(line)
+            if match:
+                step = int(match.group(1))
+                first_step = step - 1 if first_step is None else first_step
+                total = int(match.group(2)) if match.group(2) else None
+                progress.step(label, step, total, started, first_step)
+        return process.wait()
+
+
 def run_one(
-    plan: Plan, arm: Arm, seed: int, threads: int | None, progress: Progress, index: int
+    plan: Plan, arm: Arm, seed: int, slots: queue.Queue[list[int]] | None, progress: Progress, index: int
 ) -> str | None:
     """One `rlver fit` (resumed if it left a checkpoint); None if it finished, else why not."""
     folder = plan.folder(arm, seed)
@@ -186,36 +231,22 @@ def run_one(
         f"rlver ablate: {label} {'resuming from last.ckpt' if resumed else 'starting'} ({folder})", flush=True
     )
     environment = dict(os.environ)
-    if threads is not None:  # K runs share the cores: each its share, not all of them each
-        environment.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cores = slots.get() if slots is not None else None
+    if cores is not None:  # K runs share the cores: each its own share, not all of them each
+        threads, listed = str(len(cores)), ",".join(map(str, cores))
+        environment.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, VLLM_CPU_OMP_THREADS_BIND=listed)
     started = time.monotonic()
-    first_step = None
-    with (folder / LOG_FILE).open("a") as log:
-        log.write(f"$ rlver {shlex.join(arguments)}\n")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rlver.cli", *arguments],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=environment,
-        )
-        assert process.stdout is not None
-        for line in process.stdout:
-            log.write(line)
-            log.flush()
-            match = STEP_LINE.match(line)
-            if match:
-                step = int(match.group(1))
-                first_step = step - 1 if first_step is None else first_step
-                total = int(match.group(2)) if match.group(2) else None
-                progress.step(label, step, total, started, first_step)
-        code = process.wait()
+    try:
+        code = _fit(arguments, environment, cores, folder / LOG_FILE, label, progress, started)
+    finally:
+        if slots is not None and cores is not None:
+            slots.put(cores)
     seconds = time.monotonic() - started
     progress.done(seconds)
     record = before_after(folder)
     if code != 0:
         return f"{label} rlver fit exited with status {code}; see {folder / LOG_FILE}"
-    if not record or record.get("after") is None or not is_finished(folder):
+    if not record or record.get("after") is None or not is_finished(folder, plan.steps):
         step = record.get("step") if record else "?"
         return f"{label} stopped at step {step} (rerun to resume); see {folder / LOG_FILE}"
     done = {"arm": arm.name, "seed": seed, "seconds": round(seconds, 1), "step": record.get("step")}
@@ -235,7 +266,7 @@ def ablate_command(argv: list[str]) -> int:
         return 0
     plan = build_plan(args)
     plan.write()
-    pending = [(arm, seed) for arm, seed in plan.runs() if not is_finished(plan.folder(arm, seed))]
+    pending = [(a, s) for a, s in plan.runs() if not is_finished(plan.folder(a, s), plan.steps)]
     if args.launcher == "print":
         for arm, seed in pending:
             print(shlex.join(["rlver", *plan.fit_arguments(arm, seed)]))
@@ -243,14 +274,20 @@ def ablate_command(argv: list[str]) -> int:
     skipped = len(plan.runs()) - len(pending)
     if skipped:
         print(f"rlver ablate: {skipped} run(s) already finished under {plan.out}", flush=True)
-    threads = max(1, len(os.sched_getaffinity(0)) // args.parallel) if args.parallel > 1 else None
+    slots = core_slots(args.parallel) if args.parallel > 1 else None
     progress = Progress(len(pending))
-    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        jobs = [
-            pool.submit(run_one, plan, arm, seed, threads, progress, index)
-            for index, (arm, seed) in enumerate(pending, start=1)
-        ]
+    pool = ThreadPoolExecutor(max_workers=args.parallel)
+    jobs = [
+        pool.submit(run_one, plan, arm, seed, slots, progress, index)
+        for index, (arm, seed) in enumerate(pending, start=1)
+    ]
+    try:
         problems = [problem for job in jobs if (problem := job.result()) is not None]
+    except KeyboardInterrupt:  # the runs got it too: each stops with its last.ckpt; start no other
+        pool.shutdown(wait=True, cancel_futures=True)
+        print("rlver ablate: interrupted; the same command resumes where the runs stopped", file=sys.stderr)
+        return 130
+    pool.shutdown()
     try:
         summary = write_results(plan.out, [arm.name for arm in plan.arms])
         _report(plan.out, summary)

@@ -138,14 +138,16 @@ def saved_max_steps(folder: Path) -> int | None:
     return steps if isinstance(steps, int) and steps > 0 else None
 
 
-def is_finished(folder: Path) -> bool:
-    if (folder / DONE_FILE).is_file():
-        return True
+def is_finished(folder: Path, steps: int | None = None) -> bool:
+    """Whether the run is done; with `steps`, done with at least that many (a longer rerun resumes it)."""
     record = before_after(folder)
-    if not record or record.get("after") is None:
+    trained = record.get("step", 0) if record and record.get("after") is not None else None
+    if (folder / DONE_FILE).is_file():
+        return steps is None or (trained is not None and trained >= steps)
+    if trained is None:
         return False
-    steps = saved_max_steps(folder)
-    return steps is None or record.get("step", 0) >= steps
+    steps = steps or saved_max_steps(folder)
+    return steps is None or trained >= steps
 
 
 def training_curve(log_folder: Path) -> dict[int, float]:
