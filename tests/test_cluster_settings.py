@@ -151,15 +151,20 @@ def test_a_gpu_weight_sync_wakes_the_weights_streams_them_then_wakes_the_kv_cach
         set(),
         0,
     )
+    engine._sync_pending = False
     engine.release_memory()
     engine.sync_weights()
+    assert calls == [("sleep", 2)]  # weights and KV cache dropped; the sync waits for the next generation
+    assert engine._sync_pending  # (tests/test_gpu_fixes.py follows it through a generation)
+    engine._reload_weights()  # what the next generation does first
+    engine._wake(None)
     parameters = len(dict(model.named_parameters(remove_duplicate=False)))  # the tied head by name too
     assert calls == [
-        ("sleep", 2),  # weights and KV cache dropped: the sync rewrites the weights anyway
+        ("sleep", 2),
         ("wake_up", ["weights"]),
         ("reload", parameters),
-        ("wake_up", ["kv_cache"]),
         ("reset_prefix_cache",),
+        ("wake_up", ["kv_cache"]),
     ]
     calls.clear()
     engine.sync_every_step = False  # weights must survive the sleep: level 1

@@ -159,14 +159,17 @@ def test_the_hugging_face_cache_is_read_and_nothing_is_downloaded(tmp_path, monk
 
 
 # ---------------------------------------------------------------------- ppo_think by hand
+CARD = 79.3  # what torch reports for an "80 GB" GPU: the memory a run really has
+
+
 def ppo_think_shape(**changes) -> TrainingShape:
-    """recipes/ppo_think.yaml's inputs as they are meant to be (float32 master weights), at 80 GiB."""
+    """recipes/ppo_think.yaml's inputs as they are meant to be (float32 master weights), on "80 GB" cards."""
     config = quiet_parse(REPO / "recipes" / "ppo_think.yaml")
     model = {**config.model.as_dict(), "dtype": "float32"}
     shape = training_shape(
         model,
         critic=True,
-        gpu_memory_gib=80.0,
+        gpu_memory_gib=CARD,
         world_size=32,
         devices_per_node=8,
         sharding="FULL_SHARD",
@@ -191,7 +194,7 @@ def test_ppo_think_every_phase_by_hand():
     # policy + critic sharded over 32: float32 weights, float32 grads, 2 float32 AdamW states
     resident = (P + C) * (4 + 4 + 8) / 32 + GIB  # + CUDA context
     asleep = GIB
-    awake = 0.8 * 80 * GIB
+    awake = 0.8 * CARD * GIB
     gathered_scoring = (POLICY_ROOT + CRITIC_ROOT + LAYER) * 2  # roots stay gathered, + one layer, bf16
     hidden = tokens * (2 * H + 3 * INTER) * 2
     chunk = 1024 * V  # the vocabulary maths 1,024 rows at a time (rlver.modeling.batch.in_vocab_chunks)
@@ -203,6 +206,9 @@ def test_ppo_think_every_phase_by_hand():
     # entropy's log-probs and probs
     logits_update = tokens * V * (2 + 2) + chunk * (4 + 4 + 4 + 8)
     unsharded_grads = POLICY_ROOT * 2
+    reduce_copy = POLICY_ROOT * 4  # reduce-scattered in float32 (full_precision_reductions)
+    reload_copy = V * H * 2  # vLLM materialises its largest module (embeddings, LM head) to reload it
+    optimizer_gather = POLICY_ROOT * 4  # FSDP1's sharded optimizer state dict gathers a unit's state
     expected = {
         "trainer resident": resident,
         "engine idle (asleep)": asleep,
@@ -215,22 +221,66 @@ def test_ppo_think_every_phase_by_hand():
         + checkpointed
         + recomputed
         + logits_update
-        + unsharded_grads,
-        "sync": resident + P * 2 + POLICY_ROOT * (4 + 2),  # engine weights + the root in float32 and bf16
-        "checkpoint": resident + asleep,
+        + unsharded_grads
+        + reduce_copy,
+        # engine weights alone (its KV cache asleep) + the root in float32 and bf16 + vLLM's copy
+        "sync": resident + P * 2 + POLICY_ROOT * (4 + 2) + reload_copy,
+        "checkpoint": resident + asleep + optimizer_gather,  # the engine asleep: its sync waits
     }
     assert phase_bytes(phases) == pytest.approx(expected, rel=1e-12)
-    assert {name: round(size / GIB, 1) for name, size in expected.items()} == {
-        "trainer resident": 7.8,
-        "engine idle (asleep)": 1.0,
-        "engine awake": 64.0,
-        "rollout": 71.8,
-        "scoring": 20.1,
-        "update": 36.5,
-        "sync": 28.1,
-        "checkpoint": 8.8,
-    }
+    assert {name: round(size / GIB, 1) for name, size in expected.items()} == PPO_THINK_GIB
+    # vLLM starts only if its KV cache holds one max_model_len sequence: the model's 32,768
+    engine = next(phase for phase in phases if phase.name == "engine awake")
+    assert engine.required == P * 2 + 2 * LAYERS * KV * 2 * 32768
     assert not failures(phases)
+
+
+# The docstring's worked example (rlver/plan/memory_plan.py), phase by phase, and for each a figure
+# a plan that missed something would print instead.
+PPO_THINK_GIB = {
+    "trainer resident": 7.8,
+    "engine idle (asleep)": 1.0,
+    "engine awake": 63.4,
+    "rollout": 71.3,
+    "scoring": 20.1,
+    "update": 40.6,
+    "sync": 29.1,
+    "checkpoint": 12.9,
+}
+KNOWN_WRONG = {
+    "trainer resident": (13.3, "bf16 master weights counted with float32 grads and states"),
+    "engine idle (asleep)": (63.4, "an engine that never sleeps"),
+    "engine awake": (64.0, "80 GiB where the card has 79.3"),
+    "rollout": (71.8, "80 GiB where the card has 79.3"),
+    "scoring": (82.5, "the engine awake while scoring"),
+    "update": (36.5, "no float32 copy of the gradient for the reduce-scatter"),
+    "sync": (28.1, "no vLLM reload copy"),
+    "checkpoint": (8.8, "no optimizer-state gather"),
+}
+
+
+@pytest.mark.parametrize("phase", sorted(PPO_THINK_GIB))
+def test_each_ppo_think_phase_is_its_worked_figure_and_not_a_known_wrong_one(phase):
+    planned = phase_bytes(plan_memory(resolve_architecture("Qwen/Qwen2.5-7B-Instruct"), ppo_think_shape()))
+    wrong, why = KNOWN_WRONG[phase]
+    assert round(planned[phase] / GIB, 1) == PPO_THINK_GIB[phase]
+    assert round(planned[phase] / GIB, 1) != wrong, why
+
+
+def test_the_checkpoint_gathers_per_state_dict_type_and_the_docstring_says_so():
+    import rlver.plan.memory_plan as memory_plan
+
+    arch = resolve_architecture("Qwen/Qwen2.5-7B-Instruct")
+    resident = (P + C) * 16 / 32 + GIB
+    sharded = phase_bytes(plan_memory(arch, ppo_think_shape()))["checkpoint"]
+    full = phase_bytes(plan_memory(arch, ppo_think_shape(full_state_dict_checkpoint=True)))["checkpoint"]
+    one_gpu = phase_bytes(plan_memory(arch, ppo_think_shape(world_size=1, shard_count=1)))["checkpoint"]
+    assert sharded == resident + GIB + POLICY_ROOT * 4  # one float32 buffer of the root's state
+    assert full == resident + GIB + 3 * POLICY_ROOT * 4  # its parameters and both states
+    assert one_gpu == (P + C) * 16 + GIB + GIB  # NO_SHARD: nothing gathered
+    for name, gib in PPO_THINK_GIB.items():  # the worked example quotes every phase's figure
+        if name not in ("trainer resident", "engine idle (asleep)"):
+            assert f"{gib}" in memory_plan.__doc__, name
 
 
 def test_ppo_think_table_through_the_cli(tmp_path, capsys):
@@ -240,8 +290,10 @@ def test_ppo_think_table_through_the_cli(tmp_path, capsys):
     assert "32 GPU(s) of 80.0 GiB, FSDP FULL_SHARD over 32, weights 4 B, compute 2 B" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line[:1].isalpha()}
     assert rows["rollout"].split()[1:4] == ["71.8", "80.0", "yes"]
-    assert rows["update"].split()[1:4] == ["36.5", "80.0", "yes"]
-    assert "logits+grad+entropy 12.2" in rows["update"]
+    assert rows["update"].split()[1:4] == ["40.6", "80.0", "yes"]
+    assert "logits+grad+entropy 12.2" in rows["update"] and "float32 reduce copy 4.1" in rows["update"]
+    assert "vLLM reload copy 1.0" in rows["sync"] and "engine weights (KV cache asleep) 14.2" in rows["sync"]
+    assert "optimizer-state gather 4.1" in rows["checkpoint"]
     assert "assumptions:" in out
 
 
@@ -261,7 +313,8 @@ def test_grpo_has_no_critic_and_lora_holds_frozen_bases_and_float32_adapters():
     phases = phase_bytes(plan_memory(resolve_architecture("Qwen/Qwen2.5-7B-Instruct"), lora))
     assert phases["trainer resident"] == resident
     targeted = LAYERS * (2 * H * H + 2 * H * KV + 3 * H * INTER)
-    assert phases["sync"] == resident + P * 2 + targeted * 2 + LAYER * 2  # merged copy, one layer cast
+    # merged copy, one layer cast, vLLM's reload copy of its largest module
+    assert phases["sync"] == resident + P * 2 + targeted * 2 + LAYER * 2 + V * H * 2
 
 
 def test_an_engine_without_its_own_weights_and_vllm_on_cpu():
@@ -284,7 +337,7 @@ def test_overlapped_steps_keep_the_engine_awake_and_hf_a_policy_snapshot():
     arch = resolve_architecture("Qwen/Qwen2.5-7B-Instruct")
     plain = phase_bytes(plan_memory(arch, ppo_think_shape()))
     overlapped = phase_bytes(plan_memory(arch, ppo_think_shape(overlap=True, sleep_between_rollouts=False)))
-    awake = 0.8 * 80 * GIB  # generating through the update: no sleep
+    awake = 0.8 * CARD * GIB  # generating through the update: no sleep
     assert overlapped["update"] == pytest.approx(plain["update"] - GIB + awake)
     assert overlapped["trainer resident"] == plain["trainer resident"]  # vLLM holds its own weights
     hf = phase_bytes(plan_memory(arch, ppo_think_shape(engine="hf", rollout_sequences=4, overlap=True)))
@@ -333,7 +386,8 @@ def test_an_engine_share_of_0_95_leaves_too_little_for_the_trainer(tmp_path, cap
 def test_a_141_gib_gpu_fits_what_80_does_not(tmp_path, capsys):
     recipe = recipe_copy(tmp_path, "ppo_think", model__dtype="float32", model__ppo__micro_batch_size=8)
     assert main(["plan", "--config", str(recipe), "--gpu-memory-gib", "80"]) == 1
-    assert "memory: update needs 93.1 GiB per GPU but 80.0 are available" in capsys.readouterr().out
+    update = 93.1 + POLICY_ROOT * 4 / GIB  # the float32 reduce copy of the root's gradient
+    assert f"memory: update needs {update:.1f} GiB per GPU but 80.0 are available" in capsys.readouterr().out
     assert main(["plan", "--config", str(recipe), "--gpu-memory-gib", "141"]) == 0
     assert "OVER" not in capsys.readouterr().out
 
@@ -341,8 +395,12 @@ def test_a_141_gib_gpu_fits_what_80_does_not(tmp_path, capsys):
 def test_an_engine_too_small_for_one_sequence_and_an_update_without_checkpointing():
     arch = resolve_architecture("Qwen/Qwen2.5-7B-Instruct")
     (engine,) = failures(plan_memory(arch, ppo_think_shape(gpu_memory_utilization=0.18)))
-    assert engine.name == "engine awake"  # 14.4 GiB < weights 14.2 + one 8192-token KV cache 0.4
-    assert engine.shortfall == pytest.approx(P * 2 + 2 * LAYERS * KV * 2 * 8192 - 0.18 * 80 * GIB)
+    assert engine.name == "engine awake"  # 14.3 GiB < weights 14.2 + one 32768-token KV cache 1.75
+    assert engine.shortfall == pytest.approx(P * 2 + 2 * LAYERS * KV * 2 * 32768 - 0.18 * CARD * GIB)
+    # with max_model_len set to the recipe's context, the same share holds one sequence
+    assert not failures(
+        plan_memory(arch, ppo_think_shape(gpu_memory_utilization=0.185, engine_max_model_len=8192))
+    )
     with pytest.raises(ValueError, match=r"^memory: update needs .* change --model.ppo.micro_batch_size, "):
         raise_if_over(arch, ppo_think_shape(gradient_checkpointing=False))
     try:

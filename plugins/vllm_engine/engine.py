@@ -65,6 +65,9 @@ class VLLMEngine(RolloutEngine):
             spin against each other (the quickstart's step measured 1.7x slower).
     """
 
+    # It reads the weights from the policy's path: at a fresh start it holds the policy's own.
+    starts_with_policy_weights = True
+
     def __init__(
         self,
         policy: Policy,
@@ -124,6 +127,7 @@ class VLLMEngine(RolloutEngine):
         self._owner: threading.Thread | None = None
         self.llm = self.on_engine_thread(vllm.LLM, **options)
         self._asleep: set[str] = set()  # what sleep freed and no wake has brought back yet
+        self._sync_pending = False  # a sync asked for while asleep: done before the KV cache wakes
         self.weights_version = 0
 
     def on_engine_thread(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -155,6 +159,8 @@ class VLLMEngine(RolloutEngine):
 
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if getattr(self, "_sync_pending", False):
+            self._reload_weights()  # the weights wake alone, take the policy's, then the KV cache
         self._wake(None)
         greedy = sampling.temperature == 0
         # One seed per prompt, so a prompt's sample does not depend on its neighbours in the batch.
@@ -195,9 +201,27 @@ class VLLMEngine(RolloutEngine):
         Memory is the constraint on a GPU shared with training: the engine's weights wake first
         (their own size), the policy is gathered one FSDP unit at a time straight into them (one
         decoder layer's worth at a time, never the full model), and only then the KV cache wakes.
+
+        An engine that sleeps between rollouts never takes a sync with its KV cache awake: asked
+        while awake (train, validation or test start, just after generating) it sleeps first;
+        asleep, the sync waits for the next generation, so that whatever runs in between (the
+        checkpoint after a step) finds the engine asleep. The policy's weights cannot change in
+        between: the update is over, and an overlapped run, whose update runs beside a rollout,
+        never sleeps (rlver.rollout.overlap.engine_for_overlap).
         """
         if not self.sync_every_step:
             return
+        if self.sleep_between_rollouts:
+            if not self._asleep:
+                self.llm.sleep(level=2)  # the weights are about to be rewritten: drop them too
+                self._asleep = {"weights", "kv_cache"}
+            self._sync_pending = True
+            return
+        self._reload_weights()
+        self._wake(None)
+
+    def _reload_weights(self) -> None:
+        self._sync_pending = False
         self._wake(["weights"])
         # Handed over in the engine's own dtype: vLLM would cast each tensor itself, with a
         # warning per tensor (hundreds per sync).
@@ -211,7 +235,6 @@ class VLLMEngine(RolloutEngine):
             load(weights_iterator=iter(weights))
 
         self.llm.collective_rpc(reload)
-        self._wake(None)
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.weights_version += 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from jsonargparse import ArgumentParser
 
@@ -42,12 +43,7 @@ def export_command(argv: Sequence[str]) -> int:
 
 # --------------------------------------------------------------------------- rlver score
 def score_command(argv: Sequence[str]) -> int:
-    from rlver.evaluate.score import (
-        leaderboard_markdown,
-        leaderboard_rows,
-        load_scored_file,
-        plot_trajectories,
-    )
+    from rlver.evaluate.score import load_scored_file, plot_trajectories
 
     parser = ArgumentParser(
         prog="rlver score",
@@ -70,20 +66,55 @@ def score_command(argv: Sequence[str]) -> int:
         default=None,
         help="Also split each file by this record field (e.g. theme, character).",
     )
+    parser.add_argument(
+        "--judge",
+        type=str | None,
+        default=None,
+        help="Also score every dialogue on a judge plugin's dimensions (empathy, insight, action, ...), "
+        "shown beside Score: a judge name, a YAML/JSON mapping {name: dimensions, base_url: ..., "
+        "model: ...} or a file holding one. Each file's scores go to <file>.judged.jsonl beside it.",
+    )
     cfg = parser.parse_args(list(argv))
     files = [load_scored_file(path) for path in cfg.files]
-    print(leaderboard_markdown(leaderboard_rows(files)))
+    judged, dimensions = None, ()
+    if cfg.judge:
+        judged, dimensions = _judge(files, cfg.judge)
+    print(_leaderboard(files, judged, dimensions, None))
     if cfg.by:
         print()
-        print(leaderboard_markdown(leaderboard_rows(files, by=cfg.by), by=cfg.by))
+        print(_leaderboard(files, judged, dimensions, cfg.by))
     if cfg.plot.lower() != "none":
         print(f"\nplot: {plot_trajectories(files, cfg.plot)}")
     return 0
 
 
+def _judge(files: Sequence[Any], spec: str) -> tuple[list[Any], tuple[str, ...]]:
+    from rlver.evaluate.judging import build_judge, judge_files, read_judge_spec, write_judgements
+
+    judge = build_judge(read_judge_spec(spec))
+    try:
+        judged = judge_files(files, judge)
+    finally:
+        judge.close()
+    for scored, per_file in zip(files, judged, strict=True):
+        write_judgements(scored.path.with_name(f"{scored.path.stem}.judged.jsonl"), [scored], [per_file])
+    return judged, tuple(judge.dimensions)
+
+
+def _leaderboard(files: Sequence[Any], judged: Any, dimensions: tuple[str, ...], by: str | None) -> str:
+    from rlver.evaluate.judging import MISSING_COLUMN, add_dimensions
+    from rlver.evaluate.score import leaderboard_markdown, leaderboard_rows
+
+    rows = leaderboard_rows(files, by=by)
+    if judged is None:
+        return leaderboard_markdown(rows, by=by)
+    rows = add_dimensions(rows, files, judged, dimensions, by=by)
+    return leaderboard_markdown(rows, by=by, extra=(*dimensions, MISSING_COLUMN))
+
+
 # --------------------------------------------------------------------------- rlver plan
 def plan_command(argv: Sequence[str]) -> int:
-    from rlver.plan.memory_plan import GIB, failures, format_plan, plan_recipe
+    from rlver.plan.memory_plan import EIGHTY_GB_CARD_GIB, GIB, failures, format_plan, plan_recipe
 
     parser = ArgumentParser(
         prog="rlver plan",
@@ -91,7 +122,10 @@ def plan_command(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--config", type=str, required=True, help="A recipe YAML (as `rlver fit` reads it).")
     parser.add_argument(
-        "--gpu-memory-gib", type=float | None, default=None, help="GPU memory (default: this GPU's, else 80)."
+        "--gpu-memory-gib",
+        type=float | None,
+        default=None,
+        help="GPU memory as torch reports it (default: this GPU's, else 79.3: an '80 GB' card).",
     )
     parser.add_argument(
         "--world-size", type=int | None, default=None, help="GPUs in all (default: devices x num_nodes)."
@@ -101,7 +135,11 @@ def plan_command(argv: Sequence[str]) -> int:
     if memory is None:
         import torch
 
-        memory = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
+        memory = (
+            torch.cuda.get_device_properties(0).total_memory / GIB
+            if torch.cuda.is_available()
+            else EIGHTY_GB_CARD_GIB
+        )
     if memory <= 0:
         parser.error(f"--gpu-memory-gib ({memory}) must be > 0")
     check_config_files(["--config", cfg.config])

@@ -45,6 +45,7 @@ class Architecture:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    max_positions: int | None = None  # config.json's max_position_embeddings: vLLM's default max_model_len
 
     @classmethod
     def from_config(cls, config: dict[str, Any], name: str, source: str) -> Architecture:
@@ -68,6 +69,7 @@ class Architecture:
             qkv_bias=attention_bias,
             o_bias=attention_bias and not qwen2,  # Qwen2's o_proj has no bias
             mlp_bias=bool(config.get("mlp_bias", False)),
+            max_positions=config.get("max_position_embeddings"),
         )
 
     # ------------------------------------------------------------------ shapes
@@ -102,6 +104,14 @@ class Architecture:
         if self.mlp_bias:
             biases += sum(shapes[name][1] for name in ("gate_proj", "up_proj", "down_proj"))
         return weights + biases + 2 * self.hidden_size
+
+    def largest_engine_module(self) -> int:
+        """Parameters of vLLM's largest module (its fused q/k/v and gate/up projections, the
+        embeddings or the LM head): its in-place reload materialises one module at a time."""
+        shapes = self.projections()
+        fused_qkv = self.hidden_size * sum(shapes[name][1] for name in ("q_proj", "k_proj", "v_proj"))
+        fused_gate_up = self.hidden_size * 2 * self.intermediate_size
+        return max(self.embedding_parameters(), fused_qkv, fused_gate_up)
 
     def embedding_parameters(self) -> int:
         return self.vocab_size * self.hidden_size

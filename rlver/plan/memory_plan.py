@@ -23,7 +23,9 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
   sleeps at level 2 during the update (weights and KV cache freed): 1 GiB left (its allocator and
   context); without, it keeps gpu_memory_utilization x T.
 - engine awake: gpu_memory_utilization x T (weights P x e, then activations and KV cache); the
-  KV cache must hold one whole sequence (2 x layers x k x e bytes a token, L tokens).
+  KV cache must hold one whole sequence of vLLM's max_model_len (2 x layers x k x e bytes a
+  token; `engine.max_model_len`, else the model's max_position_embeddings, else L): vLLM
+  refuses to start otherwise.
 - rollout: resident + engine awake. vLLM starts only with gpu_memory_utilization x T free, so the
   resident state must fit in (1 - utilization) x T: the same inequality. Engines that sample from
   the training module (`hf`): resident + the gathered policy P x m (when sharded) + its KV cache
@@ -44,21 +46,37 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
   (B x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and probabilities
   (B x V x 4 each); the head counted at every position (the loss reads fewer: an upper bound);
   the unsharded c gradients of the
-  largest unit (the policy's root) before their reduce-scatter.
-- sync (weights into the engine): resident + the engine's weights awake alone (P x e) + one unit
+  largest unit (the policy's root) before their reduce-scatter, and their float32 copy (the
+  reduce-scatter runs in float32, rlver.parallel.sharding.full_precision_reductions: R x 4 when
+  c < 4).
+- sync (weights into the engine, before the KV cache wakes: a sync asked for while the engine is
+  awake puts it to sleep first, and one asked for while it sleeps waits for the next generation;
+  plugins/vllm_engine): resident + the engine's weights awake alone (P x e) + one unit
   streamed: the largest unit gathered in m (summon_full_params gives master weights) and its cast
-  copy in e. Unsharded full fine-tuning streams the parameters themselves (one layer's cast copies,
-  D x e); unsharded LoRA first merges every targeted weight (x m).
-- checkpoint: resident + engine asleep; `state_dict_type: sharded` copies each rank's shard to CPU,
-  `full` gathers one unit at a time (its parameters and two Adam states: 3 x R x m).
+  copy in e + vLLM's reload copy of its largest module (it materialises one module at a time
+  before copying into the live weights: V x h x e, the embeddings or LM head). Unsharded full
+  fine-tuning streams the parameters themselves (one layer's cast copies, D x e); unsharded LoRA
+  first merges every targeted weight (x m). At train start the engine already holds the weights
+  it loaded from disk: no sync, unless a checkpoint was restored.
+- checkpoint (after the step's sync was deferred: the engine asleep): resident + engine asleep +
+  FSDP1's optimizer-state gather: `state_dict_type: sharded` still all-gathers each unit's flat
+  AdamW state into one buffer (R x m, reused for both states) before re-sharding it; `full`
+  gathers one unit at a time (its parameters and two Adam states: 3 x R x m). NO_SHARD (one GPU)
+  and LoRA gather nothing worth counting.
 
 Not counted: FSDP padding, NCCL buffers, fragmentation, autocast's cached casts of unsharded
 float32 weights, CUDA graphs beyond vLLM's budget, LoRA dropout copies.
 
-Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 80 GiB; tests/test_plan.py
-repeats it): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; rollout 7.8 + 0.8 x 80 = 71.8;
-scoring 20.1 (logits 2 x 8192 x 152064 x 2 B + 1024 x 152064 x 8 B = 5.8); update 36.5 (logits
-12.2, checkpointed activations 9.6, gathered 3.9); sync 28.1; checkpoint 8.8.
+T is what torch reports as the GPU's total memory: 79.3 GiB on an "80 GB" card (`rlver plan`'s
+default off a GPU), not 80.
+
+Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 79.3 GiB; tests/test_plan.py
+derives every figure): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; engine awake 0.8 x
+79.3 = 63.4 (its KV cache must hold one 32,768-token sequence: 1.75 GiB); rollout 71.3; scoring
+20.1 (logits 2 x 8192 x 152064 x 2 B + 1024 x 152064 x 8 B = 5.8); update 40.6 (logits 12.2,
+checkpointed activations 9.6, gathered 3.9, unsharded bf16 grads of the root 2.0 and their float32
+copy 4.1); sync 29.1 (engine weights 14.2, the root streamed in float32 + bf16 6.1, vLLM's reload
+copy 1.0); checkpoint 12.9 (optimizer-state gather of the root 4.1).
 """
 
 from __future__ import annotations
@@ -71,6 +89,7 @@ from rlver.plan.architectures import Architecture, resolve_architecture
 from rlver.plan.training_shape import GIB, TrainingShape, shape_from_recipe, shape_from_run
 
 CUDA_CONTEXT = 1 * GIB  # the trainer's CUDA context and caching allocator
+EIGHTY_GB_CARD_GIB = 79.3  # torch's total_memory of an "80 GB" GPU, in GiB
 ENGINE_ASLEEP = 1 * GIB  # what a level-2 sleeping vLLM keeps
 
 _FIX_ENGINE_SHARE = "--model.engine.gpu_memory_utilization"
@@ -142,7 +161,10 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     if own_weights and s.engine_on_gpu:
         awake = s.gpu_memory_utilization * memory
         asleep = ENGINE_ASLEEP if s.sleep_between_rollouts else awake
-        one_sequence = 2 * layers * k * s.engine_bytes * s.context_tokens
+        # vLLM refuses to start unless its KV cache holds one max_model_len sequence (the
+        # model's max_position_embeddings when the recipe leaves it unset), not max_context_tokens
+        engine_context = s.engine_max_model_len or arch.max_positions or s.context_tokens
+        one_sequence = 2 * layers * k * s.engine_bytes * engine_context
         awake_parts = (("weights", engine_weights), ("KV cache + activations", awake - engine_weights))
         sleeping = "asleep" if s.sleep_between_rollouts else "awake (no sleep_between_rollouts)"
         phases += [
@@ -153,7 +175,7 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
                 awake,
                 (_FIX_ENGINE_SHARE, _FIX_CONTEXT),
                 required=engine_weights + one_sequence,
-                note=f"its KV cache must hold one {s.context_tokens}-token sequence",
+                note=f"its KV cache must hold one {engine_context}-token sequence (max_model_len)",
             ),
             Phase(
                 "rollout",
@@ -195,12 +217,16 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     logits_label = "logits+grad" + ("+entropy" if s.entropy else "")
     update_logits = logits * 2 * c + chunk * (4 + 4 + 4 + (8 if s.entropy else 0))
     unsharded_grads = policy_root * c if sharded and s.lora_rank is None else 0.0
+    # rlver.parallel.sharding.full_precision_reductions: FSDP reduce-scatters in float32, so a
+    # low-precision unit's unsharded gradient is first copied to float32
+    reduce_copy = policy_root * 4 if sharded and s.lora_rank is None and c < 4 else 0.0
     update_parts = (
         *base,
         ("gathered", roots + 2 * layer_gathered),
         ("activations", activations),
         (logits_label, update_logits),
         ("unsharded grads", unsharded_grads),
+        ("float32 reduce copy", reduce_copy),
     )
     update_fixes = [_FIX_MICRO, _FIX_CONTEXT]
     if not s.gradient_checkpointing:
@@ -220,11 +246,27 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     else:
         streamed = layer * s.engine_bytes
     if own_weights:
-        engine_in_sync = engine_weights if s.sleep_between_rollouts or not s.engine_on_gpu else asleep
-        sync_parts = (("resident", resident), ("engine weights", engine_in_sync), ("streamed unit", streamed))
+        # A sleeping engine syncs before its KV cache wakes (plugins/vllm_engine: a sync asked for
+        # while it is awake puts it to sleep first); one that never sleeps holds all of it.
+        sleeping_sync = s.sleep_between_rollouts or not s.engine_on_gpu
+        engine_in_sync = engine_weights if sleeping_sync else asleep
+        reload_copy = arch.largest_engine_module() * s.engine_bytes if s.engine_on_gpu else 0.0
+        sync_parts = (
+            ("resident", resident),
+            ("engine weights (KV cache asleep)" if sleeping_sync else "engine awake", engine_in_sync),
+            ("streamed unit", streamed),
+            ("vLLM reload copy", reload_copy),
+        )
         phases.append(Phase("sync", sync_parts, memory, (_FIX_GPUS,)))
-    full_state = 3 * largest_unit * m if s.full_state_dict_checkpoint and sharded else 0.0
-    checkpoint_parts = (*base, ("full-state unit", full_state))
+    # FSDP1's optimizer state dict all-gathers each unit's flat state (one float32 buffer of the
+    # unit, reused for both AdamW states); `full` gathers the parameters too and keeps each state
+    # until it is offloaded: 3 x the unit. NO_SHARD / one GPU gathers nothing.
+    if sharded and s.lora_rank is None:
+        optimizer_gather = (3 if s.full_state_dict_checkpoint else 1) * largest_unit * m
+    else:
+        optimizer_gather = 0.0
+    gather_label = "full-state unit" if s.full_state_dict_checkpoint else "optimizer-state gather"
+    checkpoint_parts = (*base, (gather_label, optimizer_gather))
     phases.append(Phase("checkpoint", checkpoint_parts, memory, (_FIX_STATE_DICT,)))
     return phases
 
@@ -306,8 +348,9 @@ def format_plan(arch: Architecture, shape: TrainingShape, phases: list[Phase]) -
         "assumptions: FSDP1 FULL_SHARD / HYBRID_SHARD (other strategies: whole models on every GPU);",
         "grads and AdamW's 2 states in the weights' dtype (LoRA adapters float32); micro-batches padded",
         "to max_context_tokens; entropy over every position; vLLM awake takes gpu_memory_utilization x",
-        "GPU, asleep (level 2) 1 GiB; CUDA context 1 GiB; no NCCL buffers, fragmentation or FSDP",
-        "padding. The arithmetic: rlver/plan/memory_plan.py's docstring.",
+        "GPU, asleep (level 2) 1 GiB, syncs and checkpoints with its KV cache asleep; CUDA context",
+        "1 GiB; no NCCL buffers, fragmentation or FSDP padding. The arithmetic:",
+        "rlver/plan/memory_plan.py's docstring.",
     ]
     for phase in phases:
         if phase.name in over:

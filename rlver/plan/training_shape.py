@@ -48,6 +48,7 @@ class TrainingShape:
     full_state_dict_checkpoint: bool = False
     sharding_name: str = _WHOLE_SHARDING
     overlap: bool = False  # the next step's rollout runs during the update (rlver.rollout.overlap)
+    engine_max_model_len: int | None = None  # vLLM's max_model_len (None: the model's max positions)
 
 
 def training_shape(
@@ -120,6 +121,7 @@ def training_shape(
         full_state_dict_checkpoint=state_dict_type == "full",
         sharding_name=sharding if shard_count > 1 else _WHOLE_SHARDING,
         overlap=model.get("overlap") is not None,
+        engine_max_model_len=int(engine["max_model_len"]) if engine.get("max_model_len") else None,
     )
 
 

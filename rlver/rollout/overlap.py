@@ -165,11 +165,17 @@ def behaviour_correction(
 
 def engine_for_overlap(spec: Any) -> Any:
     """The engine spec for overlapped steps: vLLM on a thread of its own (its state is per
-    thread, and the background rollout and the trainer both call it)."""
+    thread, and the background rollout and the trainer both call it), never asleep (it generates
+    through the update; a sleeping engine defers its sync to the next generation, which here
+    would read the weights while the update changes them)."""
     name = spec if isinstance(spec, str) else spec.get("name")
     if name != "vllm":
         return spec
-    return {**({"name": spec} if isinstance(spec, str) else spec), "own_thread": True}
+    return {
+        **({"name": spec} if isinstance(spec, str) else spec),
+        "own_thread": True,
+        "sleep_between_rollouts": False,
+    }
 
 
 class SnapshotPolicy:

@@ -248,7 +248,11 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
     # Checkpoint weights are restored after setup(); engines with their own copy of the
     # weights (vllm) loaded them from disk, so push the restored ones in before any rollout.
     def on_train_start(self) -> None:
-        self.runner.engine.sync_weights()
+        # An engine that read the policy's own files holds its weights unless a checkpoint was
+        # restored: a sync would only hold memory (issue 42)
+        fresh = getattr(self.runner.engine, "starts_with_policy_weights", False)
+        if self.global_step or self.trainer.ckpt_path or not fresh:
+            self.runner.engine.sync_weights()
 
     def on_validation_start(self) -> None:
         self.pipeline.wait()  # the next step's rollout, if one runs, has the engine until it ends
