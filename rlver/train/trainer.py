@@ -21,6 +21,7 @@ from rlver.core.console import is_verbose, note
 from rlver.modeling.precision import resolve_precision
 from rlver.parallel.allocator import keep_freed_memory
 from rlver.parallel.rank_watch import RankFailureWatch
+from rlver.parallel.slurm_launch import refuse_launch_without_srun
 from rlver.train.progress import StepProgress
 
 
@@ -46,6 +47,7 @@ class Trainer(L.Trainer):
     """
 
     def __init__(self, *args: Any, precision: str | int | None = "auto", **kwargs: Any) -> None:
+        refuse_launch_without_srun()  # before Lightning takes SLURM as the launcher and waits
         precision, reason = resolve_precision(precision, kwargs.get("accelerator", "auto"))
         if reason:
             note(reason)
