@@ -51,6 +51,15 @@ def rlver_register_engines(register: Register) -> None:
 
 
 @hookspec
+def rlver_register_judges(register: Register) -> None:
+    """Register dialogue judge factories (returning `rlver.core.interfaces.DialogueJudge`).
+
+    A judge scores finished dialogues on named dimensions (empathy, insight, action, ...);
+    `rlver score --judge NAME` reports them beside Score / Success / Failure.
+    """
+
+
+@hookspec
 def rlver_on_rollout_end(trajectories: Sequence[Trajectory], step: int | None) -> None:
     """Observe a finished batch of dialogues (step is None outside training)."""
 

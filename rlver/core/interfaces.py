@@ -15,7 +15,8 @@ from rlver.core.trajectory import ParsedReply, Trajectory
 from rlver.core.types import Profile, UserTurn
 
 __all__ = [
-    "AdvantageBatch", "AdvantageEstimator", "AdvantageResult", "Generation", "ParsedReply", "PromptFormat",
+    "AdvantageBatch", "AdvantageEstimator", "AdvantageResult", "DialogueJudge", "Generation", "ParsedReply",
+    "PromptFormat",
     "RewardFunction", "RolloutEngine", "SamplingSettings", "SimulatorUnavailable", "StopRequested",
     "Trajectory", "UserSession", "UserSimulator",
 ]  # fmt: skip
@@ -284,3 +285,28 @@ class AdvantageEstimator(ABC):
 
     @abstractmethod
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult: ...
+
+
+# --------------------------------------------------------------------------- judges
+class DialogueJudge(ABC):
+    """Scores finished dialogues on named dimensions, each 0-10 (higher is better).
+
+    Unlike the simulated user's emotion, which is the reward, a judge only describes: how much
+    empathy, insight or practical help the policy's replies showed. A dimension the judge could
+    not score for a dialogue (a malformed answer after its retries, a timeout) is None, never a
+    guess, so a mean over the scored dialogues stays honest about how many there were.
+    """
+
+    dimensions: tuple[str, ...]
+
+    @abstractmethod
+    def judge(self, dialogues: Sequence[Sequence[dict[str, str]]]) -> list[dict[str, float | None]]:
+        """One dict per dialogue (messages with `role` user/assistant and `content`), every
+        dimension a key: its score, or None where the judge gave no usable one."""
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Counters since the last call (requests, re-asks, missing scores, ...)."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release connections."""

@@ -32,6 +32,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "advantages": "rlver_register_advantages",
     "formats": "rlver_register_formats",
     "engines": "rlver_register_engines",
+    "judges": "rlver_register_judges",
 }
 
 

@@ -182,9 +182,12 @@ def leaderboard_rows(files: Sequence[ScoredFile], *, by: str | None = None) -> l
     return sorted(rows, key=lambda row: -row["score"])
 
 
-def leaderboard_markdown(rows: Sequence[dict[str, Any]], *, by: str | None = None) -> str:
-    """A Markdown table of leaderboard rows (in the order given)."""
-    header = ["model", *([by] if by else []), "N", "Score", "Success", "Failure", "mean user msgs"]
+def leaderboard_markdown(
+    rows: Sequence[dict[str, Any]], *, by: str | None = None, extra: Sequence[str] = ()
+) -> str:
+    """A Markdown table of leaderboard rows (in the order given); `extra` columns (e.g. a judge's
+    dimensions) follow, numbers to one decimal, None as '-'."""
+    header = ["model", *([by] if by else []), "N", "Score", "Success", "Failure", "mean user msgs", *extra]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
     for row in rows:
         cells = [
@@ -195,9 +198,18 @@ def leaderboard_markdown(rows: Sequence[dict[str, Any]], *, by: str | None = Non
             f"{row['success']:d}",
             f"{row['failure']:d}",
             f"{row['mean_user_messages']:.2f}",
+            *(_extra_cell(row.get(name)) for name in extra),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _extra_cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return _cell(value)
 
 
 def _cell(value: Any) -> str:
