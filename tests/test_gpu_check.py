@@ -190,3 +190,26 @@ def test_the_cpu_smoke_run_prints_one_row_per_shape_and_algorithm(tmp_path, monk
         assert float(row["gap 0-511"]) < 1e-4  # float32 on both sides
         assert row["gap 2048+"] == "-"  # 8-token replies never get there
         assert row["update GiB"].startswith("- / ")  # no GPU to measure; the plan's figure is there
+
+
+def test_the_run_timeout_is_sized_from_the_first_gpu_runs_figures_and_the_report_says_what_is_unchecked(
+    monkeypatch,
+):
+    """docs/gpu.md: 68 ms a decode step (hf engine, 4 rows of the 0.5B model), 37.3 s for the GRPO
+    step at 256-token replies: the default run fits its timeout with a margin, 4 runs fit the 450 s
+    budget, and the report names sharding (NO_SHARD at world size 1) and the positions not reached."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = gpu_check.parse_args(["--out", "x.md"])
+    assert args.reply_tokens == 256
+    rollout = 2 * 256 * 0.068  # 34.8 s, the measured rollout was 34.9
+    assert gpu_check.run_seconds(256, 1) == pytest.approx(gpu_check.FIT_START_SECONDS + rollout + 16.0)
+    assert args.run_timeout == pytest.approx(1.5 * gpu_check.run_seconds(256, 1))
+    assert 4 * gpu_check.run_seconds(256, 1) < args.budget == 450.0
+    lines = gpu_check.not_checked(args, runs=4)
+    assert any("NO_SHARD" in line and "not checked: sharding" in line for line in lines)
+    assert any("positions beyond 768" in line for line in lines)
+    assert not any(line.startswith("- budget") for line in lines)
+    long = gpu_check.parse_args(["--reply-tokens", "1024"])
+    assert any(line.startswith("- budget") for line in gpu_check.not_checked(long, runs=4))  # 4 x 200 s
