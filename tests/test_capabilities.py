@@ -73,7 +73,10 @@ def test_humaneval_scores_the_canonical_solution_one_and_a_wrong_body_zero():
 
 def test_the_sandbox_stops_a_loop_and_a_memory_hog():
     loop = run_program("while True:\n    pass\n", timeout_s=1.0)
-    assert not loop.passed and loop.reason in ("timed out", "killed by signal 9 (a limit: CPU time or memory)")
+    assert not loop.passed and loop.reason in (
+        "timed out",
+        "killed by signal 9 (a limit: CPU time or memory)",
+    )
     hog = run_program("block = bytearray(2 * 1024 ** 3)\n", timeout_s=5.0, memory_mb=256)
     assert not hog.passed and hog.reason.startswith("failed"), hog.reason  # MemoryError: exit 1
     assert run_program("import sys\nsys.exit(0)\n").passed
