@@ -282,7 +282,8 @@ VLLM_PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w7 w8 w9 w10 w11 w12", "w100 w200
 
 
 def vllm_worker(model: str, out: Path) -> int:
-    """In its own process: engine start, generate, sleep, wake, generate, sync, generate."""
+    """In its own process: engine start, generate, sleep, sync (reloaded at the next generation),
+    generate, a sync while awake, generate; then a sync that must change the outputs."""
     from rlver_plugins.vllm_engine.engine import VLLMEngine
 
     from rlver.core.interfaces import SamplingSettings
@@ -327,10 +328,14 @@ def vllm_worker(model: str, out: Path) -> int:
     result["free_gib_before_sleep"] = free_gib()
     timed("sleep", engine.release_memory)
     result["free_gib_asleep"] = free_gib()
-    timed("wake", lambda: engine._wake(None))  # what generate() calls first
-    second = ids(timed("generate_2", lambda: engine.generate(prompts, greedy)))
-    engine.release_memory()
-    timed("sync_weights", engine.sync_weights)  # weights wake, the policy streams in, then the KV cache
+    # Level 2 dropped the weights: what the engine holds after waking is freed memory until a
+    # reload. The sync asked for now waits for the generation, which wakes the weights, streams
+    # the policy in, then wakes the KV cache (issue 42): compare only after that reload.
+    engine.sync_weights()
+    result["free_gib_asleep_after_sync"] = free_gib()  # nothing reloaded yet: still asleep
+    second = ids(timed("wake", lambda: engine.generate(prompts, greedy)))
+    # A sync asked for while awake: the engine sleeps first, then reloads before the next generation.
+    timed("sync_weights", engine.sync_weights)
     third = ids(timed("generate_3", lambda: engine.generate(prompts, greedy)))
     # A sync must move weights: negated embeddings (exactly undone below) change the outputs.
     embeddings = policy.model.get_input_embeddings().weight
@@ -376,7 +381,8 @@ def vllm_check(model: Path, workdir: Path, timeout: float, run_logged: Any) -> t
     free = f"free GiB {r['free_gib_before_sleep']:.1f} -> {r['free_gib_asleep']:.1f}"
     line = (
         f"- vLLM check ({model.name}): {'OK' if ok else 'FAILED'}: start {r['engine_start_s']:.1f} s, "
-        f"sleep level 2 {r['sleep_s']:.2f} s ({free}), wake {r['wake_s']:.2f} s, streamed sync "
+        f"sleep level 2 {r['sleep_s']:.2f} s ({free}), wake + reload + generation {r['wake_s']:.2f} s, "
+        "streamed sync "
         f"{r['sync_weights_s']:.2f} s; greedy outputs identical after sleep/wake: "
         f"{r['identical_after_sleep']}, after syncs of the same weights: {r['identical_after_sync']}; "
         f"changed by a sync of changed weights: {r['changed_by_sync']}"
