@@ -79,6 +79,29 @@ def test_a_bad_recipe_value_is_one_error_naming_the_key(tmp_path):
         parse_recipe(str(bad))
 
 
+def test_a_batch_count_stays_a_count_and_a_fraction_a_fraction(tmp_path):
+    """Lightning types the limits `float | int`: parsed in that order, `limit_test_batches: 1` became
+    1.0, which Lightning reads as every batch (`rlver test` ran all 100 Sentient users)."""
+    recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
+    recipe["trainer"].update(
+        limit_train_batches=3, limit_val_batches=0, limit_test_batches=1, limit_predict_batches=0.25,
+        val_check_interval=1, overfit_batches=2,
+    )  # fmt: skip
+    config = tmp_path / "limits.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    trainer = parse_recipe(str(config)).trainer
+    parsed = {
+        name: getattr(trainer, name)
+        for name in recipe["trainer"]
+        if name.startswith(("limit", "val_", "over"))
+    }
+    assert parsed == {
+        "limit_train_batches": 3, "limit_val_batches": 0, "limit_test_batches": 1, "limit_predict_batches": 0.25,
+        "val_check_interval": 1, "overfit_batches": 2,
+    }  # fmt: skip
+    assert [type(value) for value in parsed.values()] == [int, int, int, float, int, int]
+
+
 def _flat(tree, prefix=""):
     """{"a.b": leaf} for a nested mapping (a list is a leaf)."""
     if not isinstance(tree, dict):

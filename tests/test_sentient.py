@@ -26,20 +26,10 @@ BENCHMARK_PROMPT = (
 )
 
 
-# Known regression found at the end of the 2026-12-04 session (after the layout, ablate, eval and GPU-path
-# commits): `rlver test` with trainer.limit_test_batches=1 and data.batch_size=2 wrote all 100 users' records.
-# Not yet bisected; kept visible as xfail (non-strict) so the rest could land. See the closing note.
-KNOWN_TEST_LIMIT_REGRESSION = pytest.mark.xfail(
-    reason="rlver test ignores limit_test_batches/batch_size since the 2026-12-04 commits (not bisected)",
-    strict=False,
-)
-
-
 def numbers(text, *names):
     return {name: float(re.search(rf"^{name}\s+([\d.]+)", text, re.MULTILINE).group(1)) for name in names}
 
 
-@KNOWN_TEST_LIMIT_REGRESSION
 def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path, capsys, tiny_model_dir):
     """The benchmark's protocol with the tiny model as the policy: 9 turns, 2 users (the mechanics
     and the scores are the point, not what the policy says)."""
@@ -122,7 +112,6 @@ SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
 
 
 @pytest.mark.skipif(not SAGE_PROTOCOL.is_dir(), reason="needs ../shared/sage-protocol (SAGE's code)")
-@KNOWN_TEST_LIMIT_REGRESSION
 def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path, tiny_model_dir):
     """`rlver test` on recipes/sentient_eval.yaml: SAGE's prompts reach the user model, SAGE's
     system prompt reaches the policy, and the records score as `rlver score` says."""

@@ -44,9 +44,33 @@ class Trainer(L.Trainer):
         precision: As Lightning's, plus "auto": bf16-mixed where the device computes bfloat16
             natively (CUDA with bf16, CPUs with AVX512-BF16, AMX or ARM BF16), 32-true elsewhere.
             One line at start says what was chosen and why.
+        limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches,
+        val_check_interval, overfit_batches: As Lightning's (an int counts batches, a float is
+            a fraction), declared here with `int` first: Lightning's signature says
+            `float | int`, and a recipe's `limit_test_batches: 1` parsed by that type becomes
+            1.0, that is all batches instead of one.
     """
 
-    def __init__(self, *args: Any, precision: str | int | None = "auto", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        precision: str | int | None = "auto",
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        val_check_interval: int | float | None = None,
+        overfit_batches: int | float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.update(
+            limit_train_batches=limit_train_batches,
+            limit_val_batches=limit_val_batches,
+            limit_test_batches=limit_test_batches,
+            limit_predict_batches=limit_predict_batches,
+            val_check_interval=val_check_interval,
+            overfit_batches=overfit_batches,
+        )
         refuse_launch_without_srun()  # before Lightning takes SLURM as the launcher and waits
         precision, reason = resolve_precision(precision, kwargs.get("accelerator", "auto"))
         if reason:
