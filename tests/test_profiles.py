@@ -171,6 +171,20 @@ def test_datamodule_serves_splits_as_profile_lists():
     assert next(iter(data.test_dataloader()))[0].id.startswith("en-test")
 
 
+def test_train_limit_makes_every_pass_show_the_same_users():
+    data = ProfileDataModule(batch_size=2, train_limit=6, seed=3)
+    data.setup("fit")
+    passes = [
+        [p.id for b in [data.train_batch_at(step) for step in range(k * 3, k * 3 + 3)] for p in b]
+        for k in range(4)
+    ]
+    assert all(sorted(one) == sorted(passes[0]) for one in passes) and len(set(passes[0])) == 6
+    assert len({tuple(one) for one in passes}) > 1  # shuffled anew each pass
+    assert len(data.profiles("test")) == len(ProfileDataModule().profiles("test"))  # only training is limited
+    with pytest.raises(ValueError, match=r"--data.train_limit \(-1\) must be >= 0"):
+        ProfileDataModule(train_limit=-1)
+
+
 def test_datamodule_rejects_bad_settings():
     with pytest.raises(ValueError, match=r"--data.batch_size \(0\) must be >= 1"):
         ProfileDataModule(batch_size=0)

@@ -103,6 +103,9 @@ class ProfileDataModule(L.LightningDataModule):
         batch_size: Dialogues (profiles) per batch; GRPO repeats each profile within the step.
         shuffle: Shuffle training profiles each epoch (the order depends only on seed and epoch).
         limit: Use only the first N profiles of each split (0: all).
+        train_limit: Train on only the first N training profiles (0: all), after `limit`. With
+            N = steps x batch_size / passes, every pass shows the same users, so the training
+            reward of one quarter of a run compares with another's on the same users.
         seed: Seed of the training order.
     """
 
@@ -114,6 +117,7 @@ class ProfileDataModule(L.LightningDataModule):
         batch_size: int = 4,
         shuffle: bool = True,
         limit: int = 0,
+        train_limit: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -121,6 +125,8 @@ class ProfileDataModule(L.LightningDataModule):
             raise ValueError(f"--data.batch_size ({batch_size}) must be >= 1")
         if limit < 0:
             raise ValueError(f"--data.limit ({limit}) must be >= 0")
+        if train_limit < 0:
+            raise ValueError(f"--data.train_limit ({train_limit}) must be >= 0")
         self.files = {
             "train": list(train_files if train_files is not None else ["builtin:en_train"]),
             "val": list(val_files if val_files is not None else ["builtin:en_test"]),
@@ -129,6 +135,7 @@ class ProfileDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.limit = limit
+        self.train_limit = train_limit
         self.seed = seed
         self._splits: dict[str, list[Profile]] = {}
 
@@ -138,7 +145,10 @@ class ProfileDataModule(L.LightningDataModule):
             raise ValueError(f"unknown split {split!r}; splits: train, val, test")
         if split not in self._splits:
             loaded = load_profile_sets(self.files[split])
-            self._splits[split] = loaded[: self.limit] if self.limit else loaded
+            loaded = loaded[: self.limit] if self.limit else loaded
+            if split == "train" and self.train_limit:
+                loaded = loaded[: self.train_limit]
+            self._splits[split] = loaded
         return self._splits[split]
 
     def setup(self, stage: str | None = None) -> None:
