@@ -97,6 +97,34 @@ def test_summary_per_arm_by_hand():
     assert summary["arms"]["missing"] == {"runs": 0, "seeds": []}
 
 
+def test_each_run_brings_its_change_over_users_and_its_training_quarters():
+    run = RunScores(
+        "ref", 0, {"u1": 33.0, "u2": 37.0, "u3": 30.0}, {"u1": 30.0, "u2": 30.0, "u3": 30.0},
+        {step: float(step) for step in range(1, 10)},  # 9 steps: quarters of 2 steps, 1-2 and 8-9
+    )  # fmt: skip
+    change = run.change()
+    half = T_975_DF2 * math.sqrt(((3 - 10 / 3) ** 2 + (7 - 10 / 3) ** 2 + (10 / 3) ** 2) / 2) / math.sqrt(3)
+    assert change["mean"] == pytest.approx(10 / 3)
+    assert (change["low"], change["high"]) == (pytest.approx(10 / 3 - half), pytest.approx(10 / 3 + half))
+    assert (change["better"], change["worse"], change["users"]) == (2, 0, 3)
+    assert run.quarters() == (1.5, 8.5)
+    assert RunScores("ref", 0, {"u1": 1.0}, None, {1: 1.0, 2: 2.0, 3: 3.0}).quarters() is None
+    assert RunScores("ref", 0, {"u1": 1.0}).change() is None
+
+
+def test_each_arms_gain_gets_a_t_interval_over_seeds():
+    summary = summarize(reference_runs() + arm_runs(), ["ref", "new"])
+    gains = summary["arms"]["new"]["gain_interval"]  # gains 7, 8, 9: sd 1
+    assert gains["mean"] == pytest.approx(8.0) and gains["high"] - 8.0 == pytest.approx(
+        T_975_DF2 / math.sqrt(3)
+    )
+    seed0 = summary["arms"]["ref"]["per_seed"]["0"]
+    assert seed0["change"]["mean"] == pytest.approx(5.0) and seed0["training_quarters"] is None  # 3 steps
+    text = markdown(summary, title="t")
+    assert "| new | +8.0 [+5.5, +10.5] (above 0) | +7.0 |" in text
+    assert "| new | 2 | 30.0 -> 39.0 | +9.0 [-92.6, +110.6] | 2/2 | n/a |" in text  # 1, 17: se 8, t(1)
+
+
 def test_markdown_and_plot(tmp_path):
     summary = summarize(reference_runs() + arm_runs(), ["ref", "new"])
     text = markdown(summary, title="t")

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlver.evaluate.intervals import mean_interval
+from rlver.evaluate.intervals import mean_interval, paired_by_key
 
 # The training reward's tail: the mean of a run's last steps, a less noisy end point than one step.
 TAIL_STEPS = 3
@@ -61,6 +61,34 @@ class RunScores:
             return None
         users = _same_users(self.before, self.after, f"arm {self.arm} seed {self.seed}: before and after")
         return math.fsum(self.after[u] - self.before[u] for u in users) / len(users)
+
+    def change(self) -> dict[str, Any] | None:
+        """The paired change over users with its 95% t interval and the users happier (None without
+        a `before`): how sure this one run is of its own gain."""
+        if not self.before:
+            return None
+        _same_users(self.before, self.after, f"arm {self.arm} seed {self.seed}: before and after")
+        change = paired_by_key(self.before, self.after)
+        return {
+            **change.change.as_dict(),
+            "better": change.better,
+            "worse": change.worse,
+            "users": change.users,
+        }
+
+    def quarters(self) -> tuple[float, float] | None:
+        """The training curve's first and last quarter means (None with fewer than 4 steps).
+
+        The issue-39 measure of whether the training reward rose: a quarter's mean over a quarter
+        of the steps is far less noisy than any one step's few dialogues.
+        """
+        steps = sorted(self.curve)
+        if len(steps) < 4:
+            return None
+        quarter = len(steps) // 4
+        first = [self.curve[step] for step in steps[:quarter]]
+        last = [self.curve[step] for step in steps[-quarter:]]
+        return math.fsum(first) / quarter, math.fsum(last) / quarter
 
     @property
     def tail(self) -> float | None:
@@ -145,6 +173,17 @@ def curve_by_step(runs: Sequence[RunScores]) -> dict[int, MeanError]:
     return {step: mean_error([run.curve[step] for run in runs]) for step in sorted(common)}
 
 
+def _run_detail(run: RunScores) -> dict[str, Any]:
+    quarters = run.quarters()
+    return {
+        "before": run.before_mean,
+        "after": run.after_mean,
+        "gain": run.gain,
+        "change": run.change(),
+        "training_quarters": None if quarters is None else {"first": quarters[0], "last": quarters[1]},
+    }
+
+
 def summarize(runs: Sequence[RunScores], arms: Sequence[str]) -> dict[str, Any]:
     """The ablation's results as plain data (results.json): per arm, then paired to `arms[0]`.
 
@@ -167,10 +206,8 @@ def summarize(runs: Sequence[RunScores], arms: Sequence[str]) -> dict[str, Any]:
                 training_tail=mean_error(tails).as_dict() if tails else None,
                 seconds=mean_error(seconds).as_dict() if seconds else None,
                 curve={str(step): value.as_dict() for step, value in curve_by_step(arm_runs).items()},
-                per_seed={
-                    str(r.seed): {"before": r.before_mean, "after": r.after_mean, "gain": r.gain}
-                    for r in arm_runs
-                },
+                gain_interval=mean_interval(gains).as_dict() if len(gains) > 1 else None,
+                per_seed={str(r.seed): _run_detail(r) for r in arm_runs},
             )
             reference = by_arm[arms[0]]
             if name != arms[0] and reference:

@@ -63,6 +63,7 @@ def markdown(summary: dict[str, Any], title: str = "Ablation") -> str:
     for name, row in arms.items():
         if row["runs"]:
             lines.append(f"| {name} | {_difference_cell(row.get('difference'))} |")
+    lines += ["", *_gain_over_seeds(arms), "", *_per_run(arms)]
     with_curves = [name for name, row in arms.items() if row.get("curve")]
     if with_curves:
         steps = sorted({int(step) for name in with_curves for step in arms[name]["curve"]})
@@ -77,6 +78,55 @@ def markdown(summary: dict[str, Any], title: str = "Ablation") -> str:
             cells = [_cell(arms[name]["curve"].get(str(step))) for name in with_curves]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _gain_over_seeds(arms: dict[str, Any]) -> list[str]:
+    lines = [
+        "Each arm's own gain (after minus before), its 95% interval: Student t over the seeds' gains:",
+        "",
+        "| arm | mean gain [95% interval over seeds] | lowest seed's gain |",
+        "|---|---|---|",
+    ]
+    for name, row in arms.items():
+        interval = row.get("gain_interval")
+        gains = [run["gain"] for run in row.get("per_seed", {}).values() if run["gain"] is not None]
+        if interval is None or not gains:
+            continue
+        verdict = "above 0" if interval["low"] > 0 else ("below 0" if interval["high"] < 0 else "includes 0")
+        bounds = f"{interval['mean']:+.1f} [{interval['low']:+.1f}, {interval['high']:+.1f}]"
+        lines.append(f"| {name} | {bounds} ({verdict}) | {min(gains):+.1f} |")
+    return lines
+
+
+def _per_run(arms: dict[str, Any]) -> list[str]:
+    lines = [
+        "Per run: the greedy change over the held-out users with its paired 95% t interval over users,"
+        " and the training reward's first and last quarter (mean final emotion of the steps' dialogues):",
+        "",
+        "| arm | seed | greedy before -> after | change [95% interval over users] | users happier"
+        " | training, first -> last quarter |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in arms.items():
+        for seed, run in row.get("per_seed", {}).items():
+            change, quarters = run.get("change"), run.get("training_quarters")
+            before = "n/a" if run["before"] is None else f"{run['before']:.1f}"
+            changed = (
+                "n/a"
+                if change is None
+                else f"{change['mean']:+.1f} [{change['low']:+.1f}, {change['high']:+.1f}]"
+            )
+            happier = "n/a" if change is None else f"{change['better']}/{change['users']}"
+            trained = (
+                "n/a"
+                if quarters is None
+                else f"{quarters['first']:.1f} -> {quarters['last']:.1f}"
+                f" ({quarters['last'] - quarters['first']:+.1f})"
+            )
+            lines.append(
+                f"| {name} | {seed} | {before} -> {run['after']:.1f} | {changed} | {happier} | {trained} |"
+            )
+    return lines
 
 
 def plot_curves(summary: dict[str, Any], path: Path) -> None:
