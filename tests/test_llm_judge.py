@@ -67,6 +67,20 @@ def test_the_judge_plugin_registers_through_the_entry_point_group():
         registry.check("judges", {"name": "dimensions", "colour": "red"}, flag="--judge")
 
 
+def test_a_bad_model_judge_is_refused_naming_the_flag_before_any_dialogue(tmp_path):
+    from rlver.evaluate.judging import check_judge_spec
+
+    check_judge_spec(
+        {"name": "dimensions", "base_url": "http://127.0.0.1:9/v1", "model": "m"}, "--model.judge"
+    )
+    with pytest.raises(PluginError, match=r"--model.judge.colour: unknown option"):
+        check_judge_spec({"name": "dimensions", "colour": "red"}, "--model.judge")
+    with pytest.raises(PluginError, match=r"--model.judge: .*'mood'"):
+        check_judge_spec("mood", "--model.judge")
+    with pytest.raises(ValueError, match=r"--model.judge: .*judge.yaml not found"):
+        check_judge_spec(str(tmp_path / "judge.yaml"), "--model.judge")
+
+
 def test_a_third_party_judge_registers_through_rlver_register_judges():
     from rlver import hookimpl
 

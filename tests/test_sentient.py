@@ -8,7 +8,9 @@ own code (from ../shared/sage-protocol here); `sentient_eval_own_prompts.yaml` r
 
 import itertools
 import json
+import math
 import re
+import threading
 
 import pytest
 import yaml
@@ -30,12 +32,36 @@ def numbers(text, *names):
     return {name: float(re.search(rf"^{name}\s+([\d.]+)", text, re.MULTILINE).group(1)) for name in names}
 
 
+class RecordedJudgeAnswers:
+    """The judge's endpoint: each user's recorded answers (tests/data/judge_answers.json) in order,
+    the user found by the opening line the judge is shown."""
+
+    def __init__(self, answers_by_opening):
+        self.answers = answers_by_opening
+        self.sent = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, payload):
+        conversation = payload["messages"][-1]["content"]
+        opening = next(opening for opening in self.answers if opening in conversation)
+        with self.lock:
+            count = self.sent[opening] = self.sent.get(opening, 0) + 1
+        return self.answers[opening][min(count, len(self.answers[opening])) - 1]
+
+
 def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path, capsys, tiny_model_dir):
     """The benchmark's protocol with the tiny model as the policy: 9 turns, 2 users (the mechanics
-    and the scores are the point, not what the policy says)."""
+    and the scores are the point, not what the policy says); the same run judged by dimension
+    (`--model.judge`) against recorded judge answers, one user's malformed on every try."""
     recipe = yaml.safe_load((REPO / "recipes" / "sentient_eval_own_prompts.yaml").read_text())
     root = tmp_path / "sentient"
-    with ScriptedServer(Script()) as server:
+    users = load_profiles("builtin:sentient_test")[:2]
+    recorded = json.loads((REPO / "tests" / "data" / "judge_answers.json").read_text())
+    # Blake's: not JSON, then a fenced 7/5/4. Devon's: empathy out of range on all three tries.
+    judge_answers = RecordedJudgeAnswers(
+        {users[0].first_talk: recorded["Blake"], users[1].first_talk: recorded["Devon"]}
+    )
+    with ScriptedServer(Script()) as server, ScriptedServer(Script(responder=judge_answers)) as judge_server:
         recipe["trainer"].update(
             accelerator="cpu", precision="32-true", default_root_dir=str(root), limit_test_batches=1
         )
@@ -49,6 +75,10 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
             cache_path=str(tmp_path / "c.sqlite"),
         )
         model["rollout"].update(max_new_tokens=16, max_context_tokens=4096)
+        model["judge"] = {
+            "name": "dimensions", "base_url": judge_server.url, "model": "scripted-judge",
+            "dimensions": ["empathy", "insight", "action"],
+        }  # fmt: skip
         recipe["data"]["batch_size"] = 2
         config = tmp_path / "sentient_cpu.yaml"
         config.write_text(yaml.safe_dump(recipe, allow_unicode=True))
@@ -64,7 +94,6 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
 
     records_path = root / "sentient" / f"{tiny_model_dir.name}.jsonl"  # named after the policy
     records = [json.loads(line) for line in records_path.read_text(encoding="utf-8").splitlines()]
-    users = load_profiles("builtin:sentient_test")[:2]
     assert [r["id"] for r in records] == [u.id for u in users]
     for record, user in zip(records, users):
         assert list(record) == list(SAGE_FIELDS)
@@ -106,6 +135,20 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
         "Failure": sum(f < 10 for f in finals),
     }
     assert f"{printed['Score']:.1f}" in cells and str(int(printed["Failure"])) in cells
+
+    # The judge's dimensions, printed below Failure: the means of the judged file beside the records.
+    assert judge_answers.sent == {users[0].first_talk: 2, users[1].first_talk: 3}  # re-asked, bounded
+    judged = [json.loads(line) for line in (records_path.parent / f"{records_path.stem}.judged.jsonl").open()]
+    assert [row["id"] for row in judged] == [u.id for u in users]
+    assert [row["scores"] for row in judged] == [
+        {"empathy": 7.0, "insight": 5.0, "action": 4.0},
+        {"empathy": None, "insight": 4.0, "action": 9.0},
+    ]
+    dimensions = numbers(result.stdout, "empathy", "insight", "action", "judge missing")
+    for name in ("empathy", "insight", "action"):
+        values = [row["scores"][name] for row in judged if row["scores"][name] is not None]
+        assert dimensions[name] == round(math.fsum(values) / len(values), 1)
+    assert dimensions == {"empathy": 7.0, "insight": 4.5, "action": 6.5, "judge missing": 1}
 
 
 SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"

@@ -78,7 +78,9 @@ def score_command(argv: Sequence[str]) -> int:
     files = [load_scored_file(path) for path in cfg.files]
     judged, dimensions = None, ()
     if cfg.judge:
-        judged, dimensions = _judge(files, cfg.judge)
+        from rlver.evaluate.judging import judge_and_write
+
+        judged, dimensions = judge_and_write(files, cfg.judge)
     print(_leaderboard(files, judged, dimensions, None))
     if cfg.by:
         print()
@@ -86,19 +88,6 @@ def score_command(argv: Sequence[str]) -> int:
     if cfg.plot.lower() != "none":
         print(f"\nplot: {plot_trajectories(files, cfg.plot)}")
     return 0
-
-
-def _judge(files: Sequence[Any], spec: str) -> tuple[list[Any], tuple[str, ...]]:
-    from rlver.evaluate.judging import build_judge, judge_files, read_judge_spec, write_judgements
-
-    judge = build_judge(read_judge_spec(spec))
-    try:
-        judged = judge_files(files, judge)
-    finally:
-        judge.close()
-    for scored, per_file in zip(files, judged, strict=True):
-        write_judgements(scored.path.with_name(f"{scored.path.stem}.judged.jsonl"), [scored], [per_file])
-    return judged, tuple(judge.dimensions)
 
 
 def _leaderboard(files: Sequence[Any], judged: Any, dimensions: tuple[str, ...], by: str | None) -> str:

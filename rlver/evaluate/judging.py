@@ -4,6 +4,8 @@
 rlver's own), has the judge (a plugin of kind `judges`) score each on its dimensions, and adds one
 column per dimension to the leaderboard: the mean over the dialogues the judge scored (a missing
 score is left out of the mean and counted in `judge missing`). With `--by`, per group as well.
+`rlver test` with `--model.judge SPEC` does the same to the records it has just written
+(`judge_test_records`).
 """
 
 from __future__ import annotations
@@ -16,33 +18,87 @@ from typing import Any
 
 from rlver.core.interfaces import DialogueJudge
 from rlver.core.plugins import get_registry
-from rlver.evaluate.score import ScoredFile, ScoreError
+from rlver.evaluate.score import ScoredDialogue, ScoredFile, ScoreError, dialogue_emotions
 
 MISSING_COLUMN = "judge missing"
 
 
-def read_judge_spec(text: str) -> str | dict[str, Any]:
-    """`--judge`: a judge name, a YAML/JSON mapping with `name` and its options, or a file of one."""
+def read_judge_spec(text: str | dict[str, Any], flag: str = "--judge") -> str | dict[str, Any]:
+    """A judge name, a YAML/JSON mapping with `name` and its options, or a file of one (a mapping
+    from a recipe is taken as it is); errors name `flag`."""
     import yaml
 
+    if isinstance(text, dict):
+        return text
     path = Path(text)
     if text.endswith((".yaml", ".yml", ".json")):
         if not path.is_file():
-            raise ValueError(f"--judge: {path} not found")
+            raise ValueError(f"{flag}: {path} not found")
         text = path.read_text()
     elif not text.lstrip().startswith("{"):
         return text
     try:
         spec = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise ValueError(f"--judge: not a YAML/JSON mapping ({error})") from None
+        raise ValueError(f"{flag}: not a YAML/JSON mapping ({error})") from None
     if not isinstance(spec, dict):
-        raise ValueError(f"--judge: expected a name or a mapping with 'name', got {spec!r}")
+        raise ValueError(f"{flag}: expected a name or a mapping with 'name', got {spec!r}")
     return spec
 
 
-def build_judge(spec: str | dict[str, Any]) -> DialogueJudge:
-    return get_registry().build("judges", spec, flag="--judge")
+def check_judge_spec(text: str | dict[str, Any], flag: str) -> None:
+    """Refuse an unknown judge or option before any dialogue is run (nothing is built)."""
+    get_registry().check("judges", read_judge_spec(text, flag), flag=flag)
+
+
+def build_judge(spec: str | dict[str, Any], flag: str = "--judge") -> DialogueJudge:
+    return get_registry().build("judges", spec, flag=flag)
+
+
+def judged_path(transcripts: Path) -> Path:
+    """Where a transcript file's judgements go: `<file stem>.judged.jsonl` beside it."""
+    return transcripts.with_name(f"{transcripts.stem}.judged.jsonl")
+
+
+def judge_and_write(
+    files: Sequence[ScoredFile], spec: str | dict[str, Any], *, flag: str = "--judge", write: bool = True
+) -> tuple[list[list[dict[str, float | None]]], tuple[str, ...]]:
+    """Judge every dialogue of `files` with one judge (closed after) and, with `write`, each file's
+    scores to `judged_path` beside it; the scores per file and the judge's dimensions."""
+    judge = build_judge(read_judge_spec(spec, flag), flag=flag)
+    try:
+        judged = judge_files(files, judge)
+    finally:
+        judge.close()
+    if write:
+        for scored, per_file in zip(files, judged, strict=True):
+            write_judgements(judged_path(scored.path), [scored], [per_file])
+    return judged, tuple(judge.dimensions)
+
+
+def judge_test_records(
+    parts: Sequence[tuple[Path, Sequence[dict[str, Any]]]],
+    spec: str | dict[str, Any],
+    *,
+    flag: str,
+    write: bool,
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """`rlver test`'s judge: the SAGE records of each rank's file (path, records) judged as `rlver
+    score --judge` judges those files, each file's judgements beside it with `write`; the means of
+    the dimensions over all the dialogues (and `judge missing`), and the dimensions."""
+    files = [
+        ScoredFile(
+            path.stem,
+            path,
+            [
+                ScoredDialogue(dialogue_emotions(record, where=f"{path} dialogue {index + 1}"), record)
+                for index, record in enumerate(records)
+            ],
+        )
+        for path, records in parts
+    ]
+    judged, dimensions = judge_and_write(files, spec, flag=flag, write=write)
+    return dimension_means([scores for per_file in judged for scores in per_file], dimensions), dimensions
 
 
 def dialogue_messages(record: dict[str, Any], *, where: str) -> list[dict[str, str]]:

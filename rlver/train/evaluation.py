@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlver.core.plugins import plain_config
 from rlver.core.trajectory import Trajectory
+from rlver.evaluate.judging import MISSING_COLUMN, check_judge_spec, judge_test_records, judged_path
 from rlver.evaluate.score import score_records
 from rlver.rollout.runner import RolloutSettings
 from rlver.rollout.transcripts import to_sage_record
@@ -33,6 +35,13 @@ def evaluation_metrics(
     return metrics
 
 
+def records_path(directory: Path, policy: str, rank: int, world: int) -> Path:
+    """`<directory>/sentient/<policy name>[_rank<R>].jsonl`: where a rank's test records go."""
+    label = Path(str(policy).rstrip("/")).name or "policy"
+    suffix = f"_rank{rank}" if world > 1 else ""
+    return directory / "sentient" / f"{label}{suffix}.jsonl"
+
+
 def sentient_output(
     trajectories: Sequence[Trajectory],
     directory: Path | None,
@@ -40,34 +49,51 @@ def sentient_output(
     rank: int,
     world: int,
     gather: Callable[[Any], list[Any]],
+    judge: str | dict[str, Any] | None = None,
 ) -> None:
     """Sentient-benchmark output: SAGE-format records and Score / Success / Failure.
 
-    Every rank writes its own dialogues (`<directory>/sentient/<policy name>[_rank<R>].jsonl`);
-    rank 0 prints the scores of all ranks' dialogues (`gather` collects them in rank order).
+    Every rank writes its own dialogues (`records_path`); rank 0 prints the scores of all ranks'
+    dialogues (`gather` collects them in rank order). With a `judge` spec (`--model.judge`, as
+    `rlver score --judge` takes it), rank 0 also judges every rank's records, writes each file's
+    judgements beside it (`<file>.judged.jsonl`) and prints the dimensions' means below Failure.
     """
 
     records = [to_sage_record(trajectory) for trajectory in trajectories]
     path = None
     if directory is not None:
-        label = Path(str(policy).rstrip("/")).name or "policy"
-        suffix = f"_rank{rank}" if world > 1 else ""
-        path = directory / "sentient" / f"{label}{suffix}.jsonl"
+        path = records_path(directory, policy, rank, world)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-    records = [record for part in gather(records) for record in part]
+    parts = gather(records)
+    records = [record for part in parts for record in part]
     if rank != 0 or not records:
         return
     scores = score_records(records)
     errors = sum(t.termination == "simulator_error" for t in trajectories)
+    dimensions = ""
+    if judge is not None:
+        # Without a log folder there is no records file to put the judgements beside: the
+        # paths only name the dialogues in messages then.
+        paths = [records_path(directory or Path("."), policy, r, world) for r in range(len(parts))]
+        means, names = judge_test_records(
+            list(zip(paths, parts, strict=True)), judge, flag="--model.judge", write=directory is not None
+        )
+        dimensions = (
+            "".join(f"{name:<8} {'-' if means[name] is None else f'{means[name]:.1f}'}\n" for name in names)
+            + f"{MISSING_COLUMN}  {means[MISSING_COLUMN]}\n"
+        )
+        if directory is not None:
+            dimensions += "judged   " + " ".join(str(judged_path(p)) for p in paths) + "\n"
     print(
         f"\nSentient benchmark ({scores['dialogues']} dialogues"
         f"{f', {errors} ended by simulator errors' if errors else ''})\n"
         f"Score    {scores['score']:.1f}\n"
         f"Success  {scores['success']}\n"
         f"Failure  {scores['failure']}\n"
+        + dimensions
         + (f"records  {path}  (rlver score {path})\n" if path is not None else ""),
         flush=True,
     )
@@ -87,6 +113,9 @@ class EvaluationHooks:
 
     def on_test_epoch_start(self) -> None:
         self._test_trajectories: list[Trajectory] = []
+        judge = plain_config(self.hparams.get("judge"))  # a bad spec fails now, not after the dialogues
+        if judge is not None:
+            check_judge_spec(judge, "--model.judge")
 
     def on_test_epoch_end(self) -> None:
         """Sentient-benchmark output: SAGE-format records per rank, scores of all ranks' dialogues."""
@@ -97,6 +126,7 @@ class EvaluationHooks:
             self.global_rank,
             self.trainer.world_size,
             self._gather_objects,
+            plain_config(self.hparams.get("judge")),
         )
 
     def evaluation_rollouts(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:

@@ -104,6 +104,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             them 1 to `max_staleness` steps later with decoupled PPO's correction
             ({max_importance_weight, max_staleness}); for users with real latency
             (rlver.rollout.overlap). None: every step trains on its own rollout.
+        judge: `rlver test` only: a dialogue judge (as `rlver score --judge`) scores the test dialogues
+            by dimension, printed beside Score and written to `<records>.judged.jsonl`. None: no judge.
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         lora: LoraSettings | None = None,
         low_precision_weights: bool = False,
         overlap: OverlapSettings | None = None,
+        judge: ComponentSpec | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
