@@ -15,15 +15,15 @@ lm_eval = pytest.importorskip("lm_eval", reason="rlver eval needs the eval extra
 
 # --------------------------------------------------------------------------- lm-eval, really run
 def test_lm_eval_runs_the_offline_gsm8k_task_on_the_tiny_model(tiny_model_dir, tmp_path):
-    """Also: a code task without --allow-code-execution and a task whose data needs a download are
-    skipped with one line each; the run goes on with what is here."""
+    """Also: a code task without --allow-code-execution, a task whose data needs a download and
+    IFEval (never offline) are skipped with one line each; the run goes on with what is here."""
     out = tmp_path / "eval"
     result = run_cli(
         "eval",
         "--model",
         str(tiny_model_dir),
         "--tasks",
-        "rlver_gsm8k,rlver_humaneval,arc_easy",
+        "rlver_gsm8k,rlver_humaneval,arc_easy,ifeval",
         "--limit",
         "2",
         "--max-new-tokens",
@@ -38,6 +38,9 @@ def test_lm_eval_runs_the_offline_gsm8k_task_on_the_tiny_model(tiny_model_dir, t
     skips = [line for line in result.stderr.splitlines() if line.startswith("rlver eval: skipped")]
     assert any("rlver_humaneval" in line and "--allow-code-execution" in line for line in skips), skips
     assert any("arc_easy" in line and "download" in line for line in skips), skips
+    assert any(line.startswith("rlver eval: skipped ifeval: IFEval needs a download") for line in skips), (
+        skips
+    )
     summary = json.loads(next(out.glob("*.json")).read_text())
     gsm8k = summary["tasks"]["rlver_gsm8k"]
     assert gsm8k["count"] == 2
@@ -53,6 +56,21 @@ def test_an_unknown_task_is_one_error_naming_the_flag(tiny_model_dir):
     result = run_cli("eval", "--model", str(tiny_model_dir), "--tasks", "rlver_gsm8k,no_such_task")
     assert result.returncode == 2
     assert "--tasks: unknown lm-eval task(s) no_such_task" in result.stderr
+
+
+def test_ifeval_is_skipped_with_one_line_before_a_model_loads(monkeypatch, capsys):
+    """IFEval's prompts ship in no PyPI package: named alone, one line and exit 2, never a hang on
+    lm-eval's import-time nltk.download (the policy named does not exist: it is never loaded)."""
+    from rlver.cli import main
+
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):  # go_offline sets them; put them back after
+        monkeypatch.setenv(name, "1")
+    assert main(["eval", "--model", "/no/such/policy", "--tasks", "ifeval,leaderboard_ifeval"]) == 2
+    err = capsys.readouterr().err
+    skips = [line for line in err.splitlines() if line.startswith("rlver eval: skipped")]
+    assert [line.split(":")[1].split()[-1] for line in skips] == ["ifeval", "leaderboard_ifeval"]
+    assert all("google/IFEval" in line and "no PyPI package" in line for line in skips), skips
+    assert "--tasks: none of the tasks can run here" in err
 
 
 # --------------------------------------------------------------------------- the code sandbox

