@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlver.core.console import note
 from rlver.core.interfaces import SimulatorUnavailable, StopRequested
+from rlver.parallel.hang_watch import hang_watchdog
 
 __all__ = ["GracefulStop", "StopRequested", "graceful_stop"]
 
@@ -148,9 +149,16 @@ def run_unless_stopped(
     every rank learns it (`gather` collects a value from each), so each exits with the error.
     """
     stop = graceful_stop(trainer)
+    watchdog = hang_watchdog(trainer)
     fatal: SimulatorUnavailable | None = None
+
+    def should_stop() -> bool:  # asked before every turn: each turn is progress for the watchdog
+        if watchdog is not None:
+            watchdog.progress()
+        return stop is not None and stop.requested is not None
+
     try:
-        trajectories = run(None if stop is None else lambda: stop.requested is not None)
+        trajectories = run(None if stop is None and watchdog is None else should_stop)
     except StopRequested:
         trajectories = []
     except SimulatorUnavailable as error:
@@ -161,6 +169,8 @@ def run_unless_stopped(
         fatal = error
         stop.requested = stop.requested or "the simulator becoming unavailable"
         trajectories = []
+    if watchdog is not None:
+        watchdog.rollouts_done()
     if stop is None or not stop.agree(trainer):
         return trajectories, fatal
     reasons = [reason for reason in gather(str(fatal or "")) if reason]

@@ -20,6 +20,7 @@ from rlver.checkpoint.stopping import GracefulStop
 from rlver.core.console import is_verbose, note
 from rlver.modeling.precision import resolve_precision
 from rlver.parallel.allocator import keep_freed_memory
+from rlver.parallel.hang_watch import HangWatchdog
 from rlver.parallel.rank_watch import RankFailureWatch
 from rlver.parallel.slurm_launch import refuse_launch_without_srun
 from rlver.train.progress import StepProgress
@@ -34,7 +35,8 @@ class Trainer(L.Trainer):
     `<default_root_dir>/checkpoints`. `--trainer.default_root_dir DIR` moves all of it.
     The first SIGTERM or Ctrl-C stops the run within a step with `last.ckpt` (rlver.checkpoint.stopping);
     when one rank fails, the others end within seconds, not at the collective timeout
-    (rlver.parallel.rank_watch);
+    (rlver.parallel.rank_watch); when no rank progresses for 10 min the job ends
+    (rlver.parallel.hang_watch);
     after a crash, `--ckpt_path last` replays the lost steps and the run's transcripts and
     TensorBoard events hold every step once (rlver.checkpoint.resume).
     Unless a progress bar is configured, rlver's StepProgress shows steps and the reward, and the
@@ -95,6 +97,8 @@ class Trainer(L.Trainer):
             self.callbacks.insert(0, GracefulStop())  # the first SIGTERM / Ctrl-C: checkpoint, stop
         if not any(isinstance(callback, RankFailureWatch) for callback in self.callbacks):
             self.callbacks.insert(0, RankFailureWatch())  # one rank fails: the others stop in seconds
+        if not any(isinstance(callback, HangWatchdog) for callback in self.callbacks):
+            self.callbacks.insert(0, HangWatchdog())  # no rank progresses: end the job, not at the timeout
         if not any(isinstance(callback, ExactlyOnce) for callback in self.callbacks):
             self.callbacks.insert(0, ExactlyOnce())  # first: a resumed run's files drop what it replays
 

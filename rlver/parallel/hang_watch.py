@@ -1,0 +1,283 @@
+"""A job that stops making progress ends within a set time, not at the collective timeout.
+
+A rank can hang without failing: its simulator endpoint stopped answering (the client retries
+for an hour and a half before it gives up), or a collective never completes. The other ranks
+then sit in their next collective for the process group's timeout, which rlver raises to cover
+the simulator's retries (106 min with the paper's endpoints), holding every GPU of the job.
+
+`HangWatchdog`, a callback every rlver Trainer gets, ends the job when no rank has made progress
+for `timeout_minutes` while the run is in a phase that should progress (a training step, the
+time between steps, a validation batch during training). Progress is a batch starting or ending, the end
+of a step's rollouts, and every rollout turn (`rlver.checkpoint.stopping` marks those), so a
+slow but answering simulator never trips it. Progress is counted job-wide, in a counter in the
+process group's store: a rank waiting in a collective for a peer whose dialogues still advance is
+not hung.
+
+On expiry each rank, from its watchdog thread (its main thread may be blocked for good):
+1. writes one line naming the phase and how long nothing progressed;
+2. writes `last.ckpt` where that cannot deadlock and the state is whole: only while the step was
+   still in its rollouts (no update has begun: the weights and optimizer are those of the last
+   finished step), only under a strategy whose every rank holds the whole state (one device,
+   DDP: no gather, no collective), and only on the rank that writes checkpoints (global rank 0).
+   Under FSDP the state would need a gather from every rank, which a hung peer never joins, so
+   nothing is written there; nor during the update or a checkpoint already in progress. The
+   resumed run repeats the interrupted step. The write has `checkpoint_seconds`; past that the
+   process ends anyway;
+3. posts the hang in the store, so ranks that are not hung themselves stop too
+   (`rlver.parallel.rank_watch`); every other rank waits for rank 0's post before it ends,
+   because a peer that exits can break rank 0's collective (gloo notices the closed socket)
+   and end it before its checkpoint is written;
+4. ends its process with exit status 1.
+A job therefore ends within `timeout_minutes` plus the poll interval plus `checkpoint_seconds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from rlver.core.console import note
+from rlver.parallel.rank_watch import FailureBoard, RankFailureWatch, default_store
+
+PROGRESS_KEY = "rlver/progress"
+ACKNOWLEDGED_KEY = "rlver/hang_acknowledged"
+
+# The phases in which nothing changes the weights: a checkpoint there is the last finished step's.
+ROLLOUTS = "rollouts"
+
+
+class ProgressClock:
+    """When the job last progressed, as seen by this rank: its own marks and, through the store, everyone's.
+
+    `check(now)` is one poll; it returns how long nothing progressed once that reaches `timeout`.
+    """
+
+    def __init__(self, timeout_seconds: float, store: Any = None) -> None:
+        self.timeout_seconds = timeout_seconds
+        self.store = store
+        self.marks = 0  # this rank's progress marks (written by the training threads)
+        self.published = 0  # of those, the ones the store has heard of
+        self.job_marks = -1  # the job's counter as last read
+        self.last_progress: float | None = None  # None: disarmed
+
+    def mark(self) -> None:
+        self.marks += 1  # one writer at a time in practice; a lost increment is only a missed mark
+
+    def arm(self, now: float) -> None:
+        if self.last_progress is None:
+            self.last_progress = now
+
+    def disarm(self) -> None:
+        self.last_progress = None
+
+    def check(self, now: float) -> float | None:
+        if self.last_progress is None:
+            return None
+        marks = self.marks
+        job_marks = marks
+        if self.store is not None:
+            with contextlib.suppress(Exception):  # an unreachable store is RankFailureWatch's to judge
+                job_marks = self.store.add(PROGRESS_KEY, 1 if marks != self.published else 0)
+                self.published = marks
+        if job_marks != self.job_marks:
+            self.job_marks = job_marks
+            self.last_progress = now
+            return None
+        stalled = now - self.last_progress
+        return stalled if stalled >= self.timeout_seconds else None
+
+
+class HangWatchdog(Callback):
+    """Ends the job, with `last.ckpt` where possible, when no rank progresses for `timeout_minutes`.
+
+    Set it in a recipe as `trainer.callbacks: [{class_path: rlver.parallel.hang_watch.HangWatchdog,
+    init_args: {timeout_minutes: 30}}]` (or `--trainer.callbacks+=...` on the command line).
+
+    Args:
+        timeout_minutes: How long the job may go without progress in a training step, between
+            steps or in a validation batch during training. The default, 10, is a third of torch's default
+            collective timeout and below one simulator request's whole retry budget with the
+            sage client's defaults (12 min), so a dead endpoint ends the job at the first turn
+            it does not answer; raise it if one PPO update, one checkpoint write or one
+            validation batch of your run takes longer. 0 turns the watchdog off.
+        checkpoint_seconds: How long the `last.ckpt` write on expiry may take before the
+            process ends without it.
+        poll_seconds: How often the watchdog looks (at most a tenth of the timeout).
+    """
+
+    def __init__(
+        self, timeout_minutes: float = 10.0, checkpoint_seconds: float = 300.0, poll_seconds: float = 10.0
+    ) -> None:
+        if timeout_minutes < 0:
+            raise ValueError(f"HangWatchdog timeout_minutes ({timeout_minutes}) must be >= 0 (0: off)")
+        self.timeout_seconds = timeout_minutes * 60.0
+        self.checkpoint_seconds = checkpoint_seconds
+        self.poll_seconds = max(0.05, min(poll_seconds, self.timeout_seconds / 10))
+        self.phase = "starting"
+        self.clock = ProgressClock(self.timeout_seconds)
+        self.trainer: Any = None
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.expire: Callable[[float], None] = self._end_job
+
+    # ------------------------------------------------------------------ progress marks
+    def progress(self, phase: str | None = None) -> None:
+        """Mark progress (any thread); with `phase`, also say what this rank is doing now."""
+        if phase is not None:
+            self.phase = phase
+        self.clock.mark()
+
+    def _enter(self, phase: str) -> None:
+        self.progress(phase)
+        self.clock.arm(time.monotonic())
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self._enter(f"training step {trainer.global_step + 1} ({ROLLOUTS})")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self._enter(f"after training step {trainer.global_step} (checkpoint, logging, next batch)")
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        if in_fit(trainer):  # `rlver validate` and `rlver test` are not watched: nothing to lose
+            self._enter(f"validation at step {trainer.global_step}")
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self.progress()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if in_fit(trainer):
+            self.progress(f"after validation at step {trainer.global_step}")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.clock.disarm()  # an evaluation after training (BeforeAfter) has no batches to mark
+
+    def rollouts_done(self) -> None:
+        """The step's update begins: from here to the step's end a checkpoint would not be whole."""
+        self.progress(self.phase.replace(f"({ROLLOUTS})", "(update)"))
+
+    # ------------------------------------------------------------------ the thread
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.timeout_seconds == 0 or self.thread is not None:
+            return
+        self.trainer = trainer
+        self.clock.store = default_store() if trainer.world_size > 1 else None
+        self.stopped.clear()
+        self.thread = threading.Thread(target=self._watch, name="rlver-hang-watch", daemon=True)
+        self.thread.start()
+        group_timeout = getattr(trainer.strategy, "_timeout", None)
+        budget = self.timeout_seconds + self.checkpoint_seconds
+        if trainer.world_size > 1 and group_timeout is not None and group_timeout.total_seconds() < budget:
+            note(
+                f"the collective timeout ({group_timeout.total_seconds() / 60:g} min) is shorter than "
+                f"HangWatchdog's timeout_minutes + checkpoint_seconds: a hung collective aborts first, "
+                "without last.ckpt"
+            )
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.poll_seconds):
+            stalled = self.clock.check(time.monotonic())
+            if stalled is not None and not self.stopped.is_set():
+                self.expire(stalled)
+                return
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        self.stopped.set()
+        self.clock.disarm()
+        self.thread = None
+
+    # ------------------------------------------------------------------ expiry
+    def describe(self, stalled: float) -> str:
+        return (
+            f"no progress for {stalled / 60:.1f} min in {self.phase} "
+            f"(HangWatchdog timeout_minutes={self.timeout_seconds / 60:g})"
+        )
+
+    def _end_job(self, stalled: float) -> None:
+        trainer = self.trainer
+        rank = getattr(trainer, "global_rank", 0)
+        say(f"rlver: rank {rank}: {self.describe(stalled)}; ending the job.")
+        for callback in getattr(trainer, "callbacks", []):
+            if isinstance(callback, RankFailureWatch):
+                callback._stop_watching()  # this rank ends on its own, after the checkpoint
+        # However the write goes, the process ends within checkpoint_seconds.
+        threading.Timer(self.checkpoint_seconds, os._exit, (1,)).start()
+        board = None if self.clock.store is None else FailureBoard(self.clock.store, rank)
+        if board is not None and rank != 0:
+            # Rank 0 writes the checkpoint: a peer that exits first can break its collectives
+            # (gloo notices a closed socket) and end it before the write. Wait for its post.
+            with contextlib.suppress(Exception):  # the store is gone: rank 0 is too
+                while board.read() is None:
+                    time.sleep(self.poll_seconds)
+                self.clock.store.add(ACKNOWLEDGED_KEY, 1)
+            os._exit(1)
+        with contextlib.suppress(Exception):
+            path = self.save_last_checkpoint(trainer)
+            if path:
+                say(
+                    f"rlver: rank {rank}: wrote {path} (the last finished step); resume with --ckpt_path last"
+                )
+        if board is not None:
+            with contextlib.suppress(Exception):
+                board.post(f"hung: {self.describe(stalled)}")
+                # Rank 0 hosts the store: stay until the others have read the post (bounded).
+                deadline = time.monotonic() + 3 * self.poll_seconds + 5
+                others = trainer.world_size - 1
+                while self.clock.store.add(ACKNOWLEDGED_KEY, 0) < others and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        os._exit(1)
+
+    def save_last_checkpoint(self, trainer: Any) -> str | None:
+        """Write `last.ckpt` without a collective, where the state is whole (see the module's docstring)."""
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+        if f"({ROLLOUTS})" not in self.phase:
+            return None  # the update, or a checkpoint already being written, may be half done
+        strategy = trainer.strategy
+        holds_everything = isinstance(strategy, SingleDeviceStrategy) or (
+            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+        )
+        checkpoint = trainer.checkpoint_callback
+        if (
+            not holds_everything
+            or trainer.global_rank != 0
+            or trainer.global_step == 0
+            or checkpoint is None
+            or not getattr(checkpoint, "save_last", False)
+            or not checkpoint.dirpath
+        ):
+            return None
+        path = os.path.join(
+            str(checkpoint.dirpath), checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION
+        )
+        # Not trainer.save_checkpoint: it ends in a barrier no hung peer would join.
+        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        strategy.checkpoint_io.save_checkpoint(state, path)
+        return path
+
+
+def in_fit(trainer: Any) -> bool:
+    return getattr(getattr(trainer, "state", None), "fn", None) == "fit"  # TrainerFn is a str enum
+
+
+def say(line: str) -> None:
+    sys.stderr.write(f"\n{line}\n")
+    sys.stderr.flush()
+
+
+def hang_watchdog(trainer: Any) -> HangWatchdog | None:
+    """The trainer's HangWatchdog, if it has one."""
+    callbacks = getattr(trainer, "callbacks", None) or []
+    return next((c for c in callbacks if isinstance(c, HangWatchdog)), None)

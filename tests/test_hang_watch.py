@@ -1,0 +1,227 @@
+"""No rank progresses: the job ends within the watchdog's time, naming the phase, not at the collective timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rlver.checkpoint.stopping import run_unless_stopped
+from rlver.parallel.hang_watch import HangWatchdog, ProgressClock
+from rlver.train.trainer import Trainer
+
+
+class CountingStore:
+    """The one store call the clock makes, as torch's stores answer it (shared by every rank)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, key: str, amount: int) -> int:
+        self.value += amount
+        return self.value
+
+
+def test_the_clock_fires_only_after_the_timeout_without_progress():
+    clock = ProgressClock(timeout_seconds=10.0)
+    assert clock.check(0.0) is None  # disarmed: never fires
+    clock.arm(0.0)
+    assert clock.check(1.0) is None
+    assert clock.check(10.5) is None  # 9.5 s since the first look
+    clock.mark()
+    assert clock.check(11.0) is None  # a mark: the wait starts again
+    assert clock.check(20.9) is None
+    assert clock.check(21.0) == pytest.approx(10.0)
+    clock.disarm()
+    assert clock.check(100.0) is None
+
+
+def test_another_ranks_progress_keeps_this_rank_waiting():
+    store = CountingStore()
+    waiting, progressing = ProgressClock(10.0, store), ProgressClock(10.0, store)
+    waiting.arm(0.0)
+    progressing.arm(0.0)
+    for now in range(1, 60, 3):  # rank 1's dialogues advance; rank 0 sits in a collective
+        progressing.mark()
+        assert progressing.check(float(now)) is None
+        assert waiting.check(float(now)) is None
+    # rank 1 stops too (its last mark was seen at 58 s): now the job is hung
+    assert waiting.check(67.0) is None
+    assert waiting.check(69.0) == pytest.approx(11.0)
+
+
+def fake_trainer(step=4):
+    return SimpleNamespace(world_size=1, global_rank=0, global_step=step, strategy=None, callbacks=[])
+
+
+def started(watchdog, trainer):
+    fired = []
+    done = threading.Event()
+
+    def record(stalled):
+        fired.append((stalled, watchdog.describe(stalled)))
+        done.set()
+
+    watchdog.expire = record
+    watchdog.setup(trainer, None, "fit")
+    return fired, done
+
+
+def test_the_watchdog_fires_naming_the_phase():
+    watchdog = HangWatchdog(timeout_minutes=0.5 / 60, poll_seconds=0.05)
+    trainer = fake_trainer(step=4)
+    fired, done = started(watchdog, trainer)
+    watchdog.on_train_batch_start(trainer, None, None, 0)
+    assert done.wait(timeout=30)
+    ((stalled, message),) = fired
+    assert stalled >= 0.5
+    assert "no progress for" in message and "in training step 5 (rollouts)" in message
+    assert "timeout_minutes=" in message
+
+
+def test_the_watchdog_stays_quiet_while_steps_progress_and_after_training():
+    watchdog = HangWatchdog(timeout_minutes=0.5 / 60, poll_seconds=0.05)
+    trainer = fake_trainer(step=0)
+    fired, _ = started(watchdog, trainer)
+    for step in range(15):  # 1.5 s of steps of 0.1 s, three times the timeout
+        trainer.global_step = step
+        watchdog.on_train_batch_start(trainer, None, None, step)
+        time.sleep(0.05)
+        watchdog.on_train_batch_end(trainer, None, None, None, step)
+        time.sleep(0.05)
+    watchdog.on_train_end(trainer, None)  # BeforeAfter's evaluation may follow: no batches to mark
+    time.sleep(1.0)
+    assert fired == []
+    watchdog.teardown(trainer, None, "fit")
+
+
+def test_every_rollout_turn_is_progress_and_the_update_is_its_own_phase():
+    watchdog = HangWatchdog()
+    trainer = SimpleNamespace(callbacks=[watchdog], world_size=1, global_step=2)
+    watchdog.on_train_batch_start(trainer, None, None, 0)
+    marks = watchdog.clock.marks
+
+    def three_turns(should_stop):
+        return [should_stop() for _ in range(3)]
+
+    trajectories, fatal = run_unless_stopped(three_turns, trainer, gather=lambda value: [value])
+    assert trajectories == [False, False, False] and fatal is None
+    assert watchdog.clock.marks >= marks + 3
+    assert watchdog.phase == "training step 3 (update)"
+    assert watchdog.save_last_checkpoint(trainer) is None  # mid-update: the state is not whole
+
+
+def test_every_rlver_trainer_has_the_watchdog_once_and_bad_settings_name_it(tmp_path):
+    trainer = Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path)
+    assert sum(isinstance(c, HangWatchdog) for c in trainer.callbacks) == 1
+    mine = HangWatchdog(timeout_minutes=30)
+    trainer = Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, callbacks=[mine])
+    assert [c for c in trainer.callbacks if isinstance(c, HangWatchdog)] == [mine]
+    with pytest.raises(ValueError, match="HangWatchdog timeout_minutes"):
+        HangWatchdog(timeout_minutes=-1)
+
+
+# A two-rank DDP fit in which rank 1 hangs in its fourth training step (as a rank waiting on a
+# dead simulator endpoint does) while rank 0 waits for it in the gradient all-reduce. Nothing
+# fails, so RankFailureWatch alone never acts: without the watchdog both wait out the
+# collective timeout (here 10 min).
+HANG_SCRIPT = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from rlver.parallel.hang_watch import HangWatchdog
+    from rlver.train.trainer import Trainer
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            if self.global_rank == 1 and batch_idx == 3:
+                print("rank 1 hangs", flush=True)
+                time.sleep(900)
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timedelta(minutes=10)), max_steps=20,
+        logger=False, enable_progress_bar=False, default_root_dir=sys.argv[1],
+        callbacks=[
+            ModelCheckpoint(dirpath=sys.argv[1] + "/checkpoints", save_last=True, every_n_train_steps=100),
+            HangWatchdog(timeout_minutes=3 / 60, poll_seconds=0.2, checkpoint_seconds=60),
+        ],
+    )
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2))
+""")
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_within_the_watchdogs_time_with_last_ckpt(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(HANG_SCRIPT)
+    port = _free_port()
+    ranks = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        output1 = ""
+        deadline = time.monotonic() + 240  # start-up (~20 s here) + 3 s: far under the 10 min timeout
+        for line in iter(ranks[1].stdout.readline, ""):
+            output1 += line
+            if "rank 1 hangs" in line:
+                break
+        hung_at = time.monotonic()
+        output0, _ = ranks[0].communicate(timeout=max(1.0, deadline - time.monotonic()))
+        rest1, _ = ranks[1].communicate(timeout=max(1.0, deadline - time.monotonic()))
+        output1 += rest1
+        ended_after = time.monotonic() - hung_at
+        assert ranks[0].returncode == 1, output0[-3000:]
+        assert ranks[1].returncode == 1, output1[-3000:]
+        assert "rlver: rank 1: no progress for" in output1
+        assert "in training step 4 (rollouts) (HangWatchdog timeout_minutes=0.05)" in output1
+        assert "rlver: rank 0: no progress for" in output0
+        assert f"wrote {tmp_path}/checkpoints/last.ckpt" in output0  # rank 0 holds the whole state
+        assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+        assert ended_after < 60, ended_after
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
