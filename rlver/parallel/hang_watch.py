@@ -144,15 +144,19 @@ class HangWatchdog(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         self._enter(f"after training step {trainer.global_step} (checkpoint, logging, next batch)")
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.clock.disarm()  # the sanity check is over; an evaluation before training has no batches
+
     def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        if in_fit(trainer):  # `rlver validate` and `rlver test` are not watched: nothing to lose
+        # `rlver validate`, `rlver test` and the sanity check before training are not watched
+        if in_fit(trainer) and not getattr(trainer, "sanity_checking", False):
             self._enter(f"validation at step {trainer.global_step}")
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         self.progress()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if in_fit(trainer):
+        if in_fit(trainer) and not getattr(trainer, "sanity_checking", False):
             self.progress(f"after validation at step {trainer.global_step}")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
