@@ -128,6 +128,7 @@ LONGEST_FIRST = [
     "test_warm_launcher.py",
     "test_lora.py",
     "test_stopping.py",
+    "test_gpu_bundle_check.py",  # two clean venvs importing torch, lightning and rlver: 4-8 min
     "test_ablation.py",
     "test_console.py",
     "test_distributed.py",
@@ -139,6 +140,7 @@ LONGEST_FIRST = [
     "test_models.py",
     "test_agreement.py",
     "test_rank_watch.py",
+    "test_hang_watch.py",
     "test_recipe_numerics.py",
     "test_rollout_schedule.py",
     "test_official_protocols.py",
