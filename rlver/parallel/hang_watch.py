@@ -49,7 +49,8 @@ from rlver.parallel.rank_watch import FailureBoard, RankFailureWatch, default_st
 PROGRESS_KEY = "rlver/progress"
 ACKNOWLEDGED_KEY = "rlver/hang_acknowledged"
 
-# The phases in which nothing changes the weights: a checkpoint there is the last finished step's.
+# A step's first phase: nothing has changed the weights yet, so a checkpoint there is the last
+# finished step's.
 ROLLOUTS = "rollouts"
 
 
@@ -102,11 +103,11 @@ class HangWatchdog(Callback):
 
     Args:
         timeout_minutes: How long the job may go without progress in a training step, between
-            steps or in a validation batch during training. The default, 10, is a third of torch's default
-            collective timeout and below one simulator request's whole retry budget with the
-            sage client's defaults (12 min), so a dead endpoint ends the job at the first turn
-            it does not answer; raise it if one PPO update, one checkpoint write or one
-            validation batch of your run takes longer. 0 turns the watchdog off.
+            steps or in a validation batch during training. The default, 10, is a third of
+            torch's default collective timeout and below one simulator request's whole retry
+            budget with the sage client's defaults (12 min), so a dead endpoint ends the job at
+            the first turn it does not answer; raise it if one PPO update, one checkpoint write
+            or one validation batch of your run takes longer. 0 turns the watchdog off.
         checkpoint_seconds: How long the `last.ckpt` write on expiry may take before the
             process ends without it.
         poll_seconds: How often the watchdog looks (at most a tenth of the timeout).
