@@ -246,6 +246,36 @@ def test_launcher_print_writes_one_fit_a_line_resuming_and_skipping(tmp_path, ca
     }
 
 
+def test_a_killed_run_is_said_at_once_with_its_signal_and_the_next_run_goes_on(tmp_path, capsys, monkeypatch):
+    import rlver.commands.ablate as ablate
+
+    calls = []
+
+    def fake_fit(arguments, environment, cores, log_path, label, progress, started):
+        calls.append(label)
+        return (
+            -9 if len(calls) == 1 else 1
+        )  # the first: SIGKILL (the OOM killer's signal); the second: a crash
+
+    monkeypatch.setattr(ablate, "_fit", fake_fit)
+    flags = ["--config", "recipes/quickstart.yaml", "--arm", "ref=", "--seeds", "0", "1", "--steps", "3"]
+    assert ablate_command([*flags, "--out", str(tmp_path / "out")]) == 1
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if "ref seed" in line]
+    assert lines[0].endswith("ref seed 0: starting (" + str(tmp_path / "out" / "ref" / "seed-0") + ")")
+    assert (
+        "[1/2] ref seed 0: rlver fit was killed by SIGKILL (the kernel's out-of-memory killer sends it"
+        in lines[1]
+    )
+    assert "ref seed 1: starting" in lines[2]  # said before the next run started
+    assert "[2/2] ref seed 1: rlver fit exited with status 1; see" in lines[3]
+    assert err.count("rlver ablate: error:") >= 2  # and again at the end
+    assert (
+        ablate._exit_reason(-15) == "was killed by SIGTERM"
+        and ablate._exit_reason(-99) == "was killed by signal 99"
+    )
+
+
 def write_run(folder, before, after, curve_sessions, max_steps):
     """A run folder as `rlver fit` leaves it: before_after.json, config.yaml, TensorBoard events."""
     from torch.utils.tensorboard import SummaryWriter

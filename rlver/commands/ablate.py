@@ -19,6 +19,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -244,16 +245,32 @@ def run_one(
     seconds = time.monotonic() - started
     progress.done(seconds)
     record = before_after(folder)
+    problem = None
     if code != 0:
-        return f"{label} rlver fit exited with status {code}; see {folder / LOG_FILE}"
-    if not record or record.get("after") is None or not is_finished(folder, plan.steps):
+        problem = f"{label} rlver fit {_exit_reason(code)}; see {folder / LOG_FILE} (rerun to resume)"
+    elif not record or record.get("after") is None or not is_finished(folder, plan.steps):
         step = record.get("step") if record else "?"
-        return f"{label} stopped at step {step} (rerun to resume); see {folder / LOG_FILE}"
+        problem = f"{label} stopped at step {step} (rerun to resume); see {folder / LOG_FILE}"
+    if problem is not None:  # said now, not only at the end: the next run starts meanwhile
+        print(f"rlver ablate: {problem}", flush=True)
+        return problem
     done = {"arm": arm.name, "seed": seed, "seconds": round(seconds, 1), "step": record.get("step")}
     done["command"] = shlex.join(["rlver", *arguments])
     (folder / DONE_FILE).write_text(json.dumps(done, indent=1) + "\n")
     print(f"rlver ablate: {label} finished in {seconds / 60:.1f} min", flush=True)
     return None
+
+
+def _exit_reason(code: int) -> str:
+    """A child's exit status in words: a negative one is the signal that ended it."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (the kernel's out-of-memory killer sends it too)" if name == "SIGKILL" else ""
+    return f"was killed by {name}{hint}"
 
 
 def ablate_command(argv: list[str]) -> int:
