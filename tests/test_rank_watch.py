@@ -184,3 +184,85 @@ def test_when_rank_1_fails_rank_0_ends_with_its_error_while_rank_1_still_hangs(t
         for process in ranks:
             process.kill()
             process.wait()
+
+
+# A two-rank DDP fit with every watch an rlver Trainer has (RankFailureWatch, HangWatchdog at its
+# 10 min default), in which rank 0, the store's host, is SIGKILLed (the out-of-memory killer) at
+# its third step while rank 1 sleeps outside any collective (as a rank in an NCCL collective sees
+# it: no error comes). Only the watches can end rank 1; it must not wait for rank 0's post or
+# for the watchdog's timeout.
+RANK_0_KILLED_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import lightning as L
+    import torch
+    from rlver.parallel.rank_watch import RankFailureWatch
+    from rlver.train.trainer import Trainer
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                if self.global_rank == 0:
+                    time.sleep(1)  # rank 1 is asleep by now
+                    print("rank 0 killed", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                print("rank 1 asleep", flush=True)
+                time.sleep(900)
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=20, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=sys.argv[1],
+        callbacks=[RankFailureWatch(interval_seconds=0.5, grace_seconds=3)],
+    )
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2))
+""")
+
+
+@pytest.mark.slow
+def test_when_rank_0_is_killed_rank_1_ends_within_seconds(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_0_KILLED_SCRIPT)
+    port = _free_port()
+    ranks = []
+    for rank in (0, 1):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        output0, _ = ranks[0].communicate(timeout=600)
+        assert ranks[0].returncode == -9, output0[-3000:]
+        killed_at = time.monotonic()
+        # grace 3 s + polls; 60 s of slack for a busy machine, far below the watchdog's 10 min
+        output1, _ = ranks[1].communicate(timeout=60)
+        ended_after = time.monotonic() - killed_at
+        assert ranks[1].returncode == 1, output1[-3000:]
+        assert "rank 1 asleep" in output1
+        assert "store stopped answering" in output1 and "rank 1 stops too" in output1, output1[-3000:]
+        print(f"rank 1 ended {ended_after:.1f} s after rank 0's death")
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
