@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -15,6 +12,7 @@ import pytest
 from rlver.checkpoint.stopping import run_unless_stopped
 from rlver.parallel.hang_watch import HangWatchdog, ProgressClock
 from rlver.train.trainer import Trainer
+from tests.test_rank_watch import start_two_ranks
 
 
 class CountingStore:
@@ -175,39 +173,9 @@ HANG_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_hung_rank_ends_the_job_within_the_watchdogs_time_with_last_ckpt(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text(HANG_SCRIPT)
-    port = _free_port()
-    ranks = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2",
-            "NODE_RANK": "0",
-            "LOCAL_RANK": str(rank),
-            "OMP_NUM_THREADS": "1",
-        }
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    ranks = start_two_ranks(HANG_SCRIPT, tmp_path)
     try:
         output1 = ""
         # A guard under the 10 min collective timeout; start-up takes 20 s to minutes on a busy machine.

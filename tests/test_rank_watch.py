@@ -146,10 +146,11 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_when_rank_1_fails_rank_0_ends_with_its_error_while_rank_1_still_hangs(tmp_path):
+def start_two_ranks(script_text, tmp_path):
+    """Two ranks of `script_text` (its argv[1]: `tmp_path`) on this machine, as Lightning's own
+    launcher would start them, their output piped."""
     script = tmp_path / "ranks.py"
-    script.write_text(RANK_SCRIPT)
+    script.write_text(script_text)
     port = _free_port()
     ranks = []
     for rank in (0, 1):
@@ -162,15 +163,16 @@ def test_when_rank_1_fails_rank_0_ends_with_its_error_while_rank_1_still_hangs(t
             "LOCAL_RANK": str(rank),
             "OMP_NUM_THREADS": "1",
         }
+        command = [sys.executable, str(script), str(tmp_path)]
         ranks.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
+    return ranks
+
+
+@pytest.mark.slow
+def test_when_rank_1_fails_rank_0_ends_with_its_error_while_rank_1_still_hangs(tmp_path):
+    ranks = start_two_ranks(RANK_SCRIPT, tmp_path)
     try:
         output0, _ = ranks[0].communicate(timeout=900)  # a hang guard: the group's timeout is 30 min
         assert ranks[1].poll() is None, "rank 1 exited: its sockets closing, not the watch, ended rank 0"
@@ -228,29 +230,7 @@ RANK_0_KILLED_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_when_rank_0_is_killed_rank_1_ends_within_seconds(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text(RANK_0_KILLED_SCRIPT)
-    port = _free_port()
-    ranks = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": "2",
-            "NODE_RANK": "0",
-            "LOCAL_RANK": str(rank),
-            "OMP_NUM_THREADS": "1",
-        }
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    ranks = start_two_ranks(RANK_0_KILLED_SCRIPT, tmp_path)
     try:
         output0, _ = ranks[0].communicate(timeout=600)
         assert ranks[0].returncode == -9, output0[-3000:]
