@@ -11,6 +11,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -218,9 +219,15 @@ def test_bad_inputs_get_one_error_naming_the_flag(tmp_path, flags, message):
 
 
 def test_the_shipped_arms_files_parse():
-    for name, arms in (("turn_credit", 4), ("environment", 2)):
-        plan = build_plan(ablate_parser().parse_args(["--arms", f"recipes/ablations/{name}.yaml"]))
-        assert len(plan.arms) == arms and plan.seeds == (0, 1, 2) and plan.steps == 28
+    expected = {"turn_credit": 4, "environment": 2, "quickstart_levers": 2, "quickstart_steps": 2, "overlap": 2}
+    shipped = sorted(Path("recipes/ablations").glob("*.yaml"))
+    assert {path.stem for path in shipped} >= set(expected), shipped
+    for path in shipped:
+        plan = build_plan(ablate_parser().parse_args(["--arms", str(path)]))
+        assert plan.seeds == (0, 1, 2), path
+        assert len(plan.arms) == expected.get(path.stem, len(plan.arms)) >= 2, path
+        # every arm's run trains the recipes' 28 steps, or says its own count
+        assert plan.steps == 28 or all("--trainer.max_steps" in arm.flags for arm in plan.arms), path
 
 
 def test_launcher_print_writes_one_fit_a_line_resuming_and_skipping(tmp_path, capsys):
