@@ -43,7 +43,7 @@ class PPOSettings:
         micro_batch_size: Sequences per forward/backward (gradient accumulation within a minibatch).
         clip_ratio: PPO policy ratio clip epsilon.
         value_clip: Critic value clip range.
-        entropy_coef: Entropy bonus weight.
+        entropy_coef: Entropy bonus weight (negative: a penalty on the entropy, for a sharper policy).
         loss_aggregation: token-mean, seq-mean-token-mean or seq-mean-token-sum.
         grad_clip: Max gradient norm (0: no clipping).
         kl_coef: Weight of the KL to the frozen reference policy (0: no reference model).
