@@ -130,6 +130,7 @@ LONGEST_FIRST = [
     "test_stopping.py",
     "test_gpu_bundle_check.py",  # two clean venvs importing torch, lightning and rlver: 4-8 min
     "test_ablation.py",
+    "test_capabilities.py",  # lm-eval and vLLM on the tiny model: ~70 s, the last file to end when unlisted
     "test_console.py",
     "test_distributed.py",
     "test_rollout.py",

@@ -90,13 +90,12 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
         transcripts = run / "tensorboard" / "rollouts" / "train_rank0.jsonl"
         checkpoint = run / "checkpoints" / "last.ckpt"
         # Each named point once (a second mid-rollout kill at step 6 only repeated the first: one
-        # launch fewer), and random moments: 8 launches in all.
+        # launch fewer), and one random moment (two cost the suite ~18 s more): 7 launches in all.
         kills = [
             "generation:1",  # before any checkpoint: the resume starts afresh
             "transcripts:2",
             f"checkpoint:{every + 1 if every < 3 else every}",
             "update:4",
-            "random",
             "random",
         ]
         rng = random.Random(0)
@@ -124,7 +123,7 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
         process = launch(chaos, config, "--ckpt_path", "last")
         output, _ = process.communicate(timeout=1800)
         assert process.returncode == 0, output[-3000:]
-        assert len(survived) >= 5, survived
+        assert len(survived) >= 4, survived  # the random kill may come after the run's end
         print("kills survived:", survived)
 
     # The final weights are the uninterrupted run's.

@@ -101,11 +101,14 @@ def test_grpo_fit_with_vllm_two_steps_then_resume_from_last(tmp_path):
     and after a resume, the weights are pushed into vLLM and its log-probs keep matching the
     trainer's; then rollouts from the checkpoint with both engines, and export.
 
-    (One run serves what were two tests of the same shape: this and the vLLM-follows check.)"""
+    (One run serves what were two tests of the same shape: this and the vLLM-follows check; its
+    learning rate decays linearly, to check the schedule's wiring and the logged rate.)"""
     engine = "{name: vllm, dtype: float32, cpu_kv_cache_gib: 0.5}"
     config, root = write_config(tmp_path, "grpo", max_steps=2, engine=engine, precision="32-true")
-    fit(config)
+    fit(config, "--model.lr_schedule", "linear", "--model.min_lr_ratio", "0.5")
     scalars = read_scalars(root / "tb")
+    # Each step's own rate: 1e-5, then half-way to the floor of 0.5 x 1e-5 at max_steps.
+    assert [rate for _, rate in scalars["ppo/actor_lr"]] == pytest.approx([1e-5, 0.75e-5])
     for tag in [*EXPECTED_SCALARS, "advantage/degenerate_group_fraction", "perf/weight_sync_seconds"]:
         assert tag in scalars, tag
         assert [step for step, _ in scalars[tag]] == [0, 1], tag
@@ -121,7 +124,17 @@ def test_grpo_fit_with_vllm_two_steps_then_resume_from_last(tmp_path):
     last = root / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 2
 
-    fit(config, "--trainer.max_steps", "3", "--ckpt_path", "last")
+    fit(
+        config,
+        "--trainer.max_steps",
+        "3",
+        "--ckpt_path",
+        "last",
+        "--model.lr_schedule",
+        "linear",
+        "--model.min_lr_ratio",
+        "0.5",
+    )
     gaps = [value for _, value in read_scalars(root / "tb")["rollout/logprob_gap"]]
     assert len(gaps) == 3 and max(gaps) < 1e-3, gaps  # step 2: vLLM got the resumed weights
     checkpoint = torch.load(last, map_location="cpu", weights_only=False)

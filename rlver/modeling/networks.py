@@ -6,6 +6,8 @@ It builds and checks networks; it never runs a rollout or an update."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +123,12 @@ def optimizers_and_schedulers(
     weight_decay: float,
     actor_warmup_steps: int,
     critic_warmup_steps: int,
+    schedule: str = "constant",
+    total_steps: int = 0,
+    min_lr_ratio: float = 0.0,
 ) -> tuple[list[torch.optim.Optimizer], list[Any]]:
-    """AdamW over each network's trained parameters (all, or the adapters); warmup, then constant."""
+    """AdamW over each network's trained parameters (all, or the adapters); linear warmup, then
+    the `schedule` (see `lr_factor`) over the rest of `total_steps`."""
     networks = [(policy, actor_lr, actor_warmup_steps)]
     if critic is not None:
         networks.append((critic, critic_lr, critic_warmup_steps))
@@ -131,15 +137,32 @@ def optimizers_and_schedulers(
         trained = [p for p in network.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
         optimizers.append(optimizer)
-        schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then_constant(warmup_steps)))
+        factor = functools.partial(
+            lr_factor, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
+            min_ratio=min_lr_ratio,
+        )  # fmt: skip
+        schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
     return optimizers, schedulers
 
 
-def _warmup_then_constant(warmup_steps: int):
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
-    return factor
+
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """The learning rate's multiplier for the update of training step `step + 1` (`LambdaLR` counts from 0).
+
+    Linear warmup to 1 over `warmup_steps`; then `constant` stays at 1, while `linear` and
+    `cosine` fall towards `min_ratio`, reached at `total_steps` (after the last update, which so
+    still learns): the last updates are small, so the final policy is not the one a single noisy
+    step happened to leave.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
 
 
 @contextlib.contextmanager

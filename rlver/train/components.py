@@ -12,6 +12,7 @@ from typing import Any
 from rlver.core.plugins import get_registry, plain_config, split_spec
 from rlver.modeling.lora import LoraSettings
 from rlver.modeling.models import DTYPES
+from rlver.modeling.networks import LR_SCHEDULES
 from rlver.rollout.overlap import OverlapSettings
 from rlver.rollout.runner import RolloutSettings
 from rlver.train.curriculum import DifficultyCurriculum
@@ -84,6 +85,9 @@ def checked_settings(
     lora: Any,
     eval_temperature: float,
     curriculum: Any,
+    *,
+    lr_schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
 ) -> tuple[RolloutSettings, PPOSettings, LoraSettings | None, DifficultyCurriculum | None]:
     """The module's option groups as settings objects, each value checked (ValueError naming the flag)."""
     if dtype not in DTYPES:
@@ -96,6 +100,10 @@ def checked_settings(
     ):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"--model.{name} ({value}) must be within [0, 1)")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"--model.lr_schedule ({lr_schedule!r}) must be one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"--model.min_lr_ratio ({min_lr_ratio}) must be within [0, 1]")
     rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
     ppo_settings = _as_settings(PPOSettings, ppo, "--model.ppo")
     lora_settings = _as_settings(LoraSettings, lora, "--model.lora") if lora is not None else None

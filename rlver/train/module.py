@@ -86,8 +86,11 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         actor_lr: Policy AdamW learning rate.
         critic_lr: Critic AdamW learning rate.
         weight_decay: AdamW weight decay for both.
-        actor_warmup_ratio: Fraction of max_steps with linear warmup of the actor lr, then constant.
+        actor_warmup_ratio: Fraction of max_steps with linear warmup of the actor lr, then `lr_schedule`.
         critic_warmup_ratio: Same for the critic.
+        lr_schedule: After warmup: constant, or linear / cosine decay to `min_lr_ratio` x the lr at
+            `--trainer.max_steps` (both networks; a run cut short by max_time stops on the way down).
+        min_lr_ratio: The decaying schedules' last lr as a fraction of the peak.
         gradient_checkpointing: Trade compute for memory in the policy and critic.
         log_samples_every_n_steps: Log sample dialogues and an emotion plot every N steps (0: never).
         curriculum: Environment difficulty over training: a level (easy, normal, hard) or stages
@@ -127,6 +130,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         weight_decay: float = 0.01,
         actor_warmup_ratio: float = 0.02,
         critic_warmup_ratio: float = 0.05,
+        lr_schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
         gradient_checkpointing: bool = False,
         log_samples_every_n_steps: int = 10,
         curriculum: str | list[dict[str, Any]] | None = None,
@@ -140,7 +145,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         self.save_hyperparameters()
         self.rollout_settings, self.ppo, self.lora, self.curriculum = checked_settings(
             dtype, group_size, actor_warmup_ratio, critic_warmup_ratio, rollout, ppo, lora, eval_temperature,
-            curriculum,
+            curriculum, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
         )  # fmt: skip
         self.overlap = overlap_settings(overlap, self.ppo)
         self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's steps ahead
@@ -270,10 +275,13 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
+        if hp.lr_schedule != "constant" and self.trainer.max_steps <= 0:
+            raise ValueError(f"--model.lr_schedule {hp.lr_schedule} decays over --trainer.max_steps: set it")
         total_steps = max(int(self.trainer.max_steps if self.trainer.max_steps > 0 else 1000), 1)
         return optimizers_and_schedulers(
             self.policy_model, self.value_model, hp.actor_lr, hp.critic_lr, hp.weight_decay,
             round(hp.actor_warmup_ratio * total_steps), round(hp.critic_warmup_ratio * total_steps),
+            hp.lr_schedule, total_steps, hp.min_lr_ratio,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the algorithm

@@ -254,14 +254,16 @@ def ppo_update(
             ranks.optimizer_step(critic_optimizer, False)
     if logprobs_out is not None:
         logprobs_out.mul_(batch.loss_mask)
+    # The rates this step's updates used, before the schedule moves on to the next step's.
+    rates = {"ppo/actor_lr": actor_optimizer.param_groups[0]["lr"]}
+    if critic_optimizer is not None:
+        rates["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
     for scheduler in schedulers:
         scheduler.step()
     metrics = {name: sums[name] / counts[name] for name in sums}
     # The same names on every rank (a rank with nothing to learn adds zeros): one all-reduce.
     metrics.update({f"ppo/{k}": v for k, v in weighted.means(ranks.reduce_sum, ranks.device).items()})
-    metrics["ppo/actor_lr"] = actor_optimizer.param_groups[0]["lr"]
-    if critic_optimizer is not None:
-        metrics["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
+    metrics.update(rates)
     metrics["ppo/minibatches"] = float(len(minibatches))
     return metrics
 
