@@ -431,3 +431,35 @@ def test_a_longer_rerun_continues_finished_runs(tmp_path):
     assert is_finished(folder, 3) and not is_finished(folder, 5)
     (folder / "tensorboard" / "before_after.json").write_text(json.dumps({"step": 0, "after": None}))
     assert not is_finished(tmp_path / "a" / "seed-0", 3)  # a marker without scores is not a result
+
+
+def test_drop_checkpoints_deletes_finished_runs_checkpoints_and_keeps_an_unfinished_ones(
+    tmp_path, capsys, monkeypatch
+):
+    import rlver.commands.ablate as ablate
+
+    out = tmp_path / "out"
+    earlier = out / "ref" / "seed-0"  # finished by an earlier call without the flag
+    write_run(earlier, {"u": 1.0}, {"u": 2.0}, [{1: 1.0}], max_steps=3)
+    (earlier / DONE_FILE).write_text("{}")
+    (earlier / "checkpoints").mkdir()
+    (earlier / "checkpoints" / "last.ckpt").write_bytes(b"x" * 1000)
+
+    def fake_fit(arguments, environment, cores, log_path, label, progress, started):
+        folder = Path(arguments[arguments.index("--trainer.default_root_dir") + 1])
+        (folder / "checkpoints").mkdir()
+        (folder / "checkpoints" / "last.ckpt").write_bytes(b"x" * 2000)
+        if folder.name == "seed-2":
+            return 1  # crashed: its checkpoint is what a rerun resumes from
+        write_run(folder, {"u": 1.0}, {"u": 3.0}, [{1: 1.0}], max_steps=3)
+        return 0
+
+    monkeypatch.setattr(ablate, "_fit", fake_fit)
+    flags = ["--config", "recipes/quickstart.yaml", "--arm", "ref=", "--seeds", "0", "1", "2", "--steps", "3"]
+    assert ablate_command([*flags, "--out", str(out), "--drop-checkpoints"]) == 1
+    output = capsys.readouterr().out
+    assert "1 run(s) already finished" in output and "their checkpoints deleted (0.0 GB)" in output
+    assert "ref seed 1: finished in 0.0 min; checkpoints deleted (0.0 GB)" in output
+    assert not (earlier / "checkpoints").exists() and not (out / "ref" / "seed-1" / "checkpoints").exists()
+    assert (out / "ref" / "seed-2" / "checkpoints" / "last.ckpt").is_file()
+    assert (out / "ref" / "seed-1" / "tensorboard" / "before_after.json").is_file()  # the scores stay

@@ -19,6 +19,7 @@ import os
 import queue
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,11 @@ def ablate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once, the cores shared (default 1)")
     parser.add_argument("--launcher", choices=("local", "print"), default="local")
     parser.add_argument("--collect", type=Path, metavar="DIR", help="only build the tables from DIR's runs")
+    parser.add_argument(
+        "--drop-checkpoints",
+        action="store_true",
+        help="delete each finished run's checkpoints/ (its scores stay; a longer rerun starts it afresh)",
+    )
     return parser
 
 
@@ -219,8 +225,25 @@ def _fit(
         return process.wait()
 
 
+def drop_checkpoints(folder: Path) -> int:
+    """Delete a finished run's `checkpoints/` (a 7B policy's float32 weights and AdamW state:
+    ~90 GB, twice that with PPO's critic; the laptop quickstart's: 1.5 GB); the bytes freed."""
+    checkpoints = folder / "checkpoints"
+    if not checkpoints.is_dir():
+        return 0
+    size = sum(path.stat().st_size for path in checkpoints.rglob("*") if path.is_file())
+    shutil.rmtree(checkpoints)
+    return size
+
+
 def run_one(
-    plan: Plan, arm: Arm, seed: int, slots: queue.Queue[list[int]] | None, progress: Progress, index: int
+    plan: Plan,
+    arm: Arm,
+    seed: int,
+    slots: queue.Queue[list[int]] | None,
+    progress: Progress,
+    index: int,
+    drop: bool = False,
 ) -> str | None:
     """One `rlver fit` (resumed if it left a checkpoint); None if it finished, else why not."""
     folder = plan.folder(arm, seed)
@@ -257,7 +280,8 @@ def run_one(
     done = {"arm": arm.name, "seed": seed, "seconds": round(seconds, 1), "step": record.get("step")}
     done["command"] = shlex.join(["rlver", *arguments])
     (folder / DONE_FILE).write_text(json.dumps(done, indent=1) + "\n")
-    print(f"rlver ablate: {label} finished in {seconds / 60:.1f} min", flush=True)
+    freed = f"; checkpoints deleted ({drop_checkpoints(folder) / 1e9:.1f} GB)" if drop else ""
+    print(f"rlver ablate: {label} finished in {seconds / 60:.1f} min{freed}", flush=True)
     return None
 
 
@@ -291,11 +315,15 @@ def ablate_command(argv: list[str]) -> int:
     skipped = len(plan.runs()) - len(pending)
     if skipped:
         print(f"rlver ablate: {skipped} run(s) already finished under {plan.out}", flush=True)
+    if skipped and args.drop_checkpoints:  # an ablation run before without the flag: tidied now
+        finished = [plan.folder(a, s) for a, s in plan.runs() if (a, s) not in pending]
+        freed = sum(drop_checkpoints(folder) for folder in finished)
+        print(f"rlver ablate: their checkpoints deleted ({freed / 1e9:.1f} GB)", flush=True)
     slots = core_slots(args.parallel) if args.parallel > 1 else None
     progress = Progress(len(pending))
     pool = ThreadPoolExecutor(max_workers=args.parallel)
     jobs = [
-        pool.submit(run_one, plan, arm, seed, slots, progress, index)
+        pool.submit(run_one, plan, arm, seed, slots, progress, index, args.drop_checkpoints)
         for index, (arm, seed) in enumerate(pending, start=1)
     ]
     try:
