@@ -147,8 +147,32 @@ def _entry(rank: int, port: int, out: str, target: Any, init_group: bool, args: 
 def _run_ranks(
     target: Any, out: Path, *args: Any, init_group: bool = True, timeout: float = 900
 ) -> list[Any]:
-    """Run target(rank, *args) on 2 spawned ranks; their return values, or the test fails."""
+    """Run target(rank, *args) on 2 spawned ranks; their return values, or the test fails.
+
+    A rank that fails ends the run at once (its peer would wait at the next collective until the
+    timeout). The rendezvous port is free when drawn, but another process of the suite may bind it
+    before rank 0 does: that run is started again on a new port, at most twice.
+    """
+    for attempt in range(3):
+        errors, hung, processes = _launch_ranks(target, out, args, init_group, timeout)
+        if not (errors and "EADDRINUSE" in "".join(errors) and attempt < 2):
+            break
+    if errors:
+        pytest.fail("\n".join(errors))
+    if hung:
+        pytest.fail(f"ranks {hung} still running after {timeout} s (a collective hung)")
+    codes = [process.exitcode for process in processes]
+    assert codes == [0] * WORLD, f"exit codes {codes}"
+    return [torch.load(out / f"result_{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+def _launch_ranks(
+    target: Any, out: Path, args: tuple, init_group: bool, timeout: float
+) -> tuple[list[str], list[int], list[Any]]:
+    """One run of the ranks: (each failed rank's traceback, the ranks still running, the processes)."""
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("error_*.txt"), *out.glob("result_*.pt")]:
+        stale.unlink()
     context = multiprocessing.get_context("spawn")
     port = _free_port()
     processes = [
@@ -158,8 +182,13 @@ def _run_ranks(
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
-    for process in processes:
-        process.join(max(deadline - time.monotonic(), 0.1))
+    failed_at = None
+    while any(process.is_alive() for process in processes) and time.monotonic() < deadline:
+        if failed_at is None and any(out.glob("error_*.txt")):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 10:
+            break  # a rank failed; its peer's own error, if any, had 10 s to be written
+        time.sleep(0.2)
     hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
     for process in processes:
         if process.is_alive():
@@ -172,13 +201,7 @@ def _run_ranks(
         for rank in range(WORLD)
         if (out / f"error_{rank}.txt").exists()
     ]
-    if errors:
-        pytest.fail("\n".join(errors))
-    if hung:
-        pytest.fail(f"ranks {hung} still running after {timeout} s (a collective hung)")
-    codes = [process.exitcode for process in processes]
-    assert codes == [0] * WORLD, f"exit codes {codes}"
-    return [torch.load(out / f"result_{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return errors, hung, processes
 
 
 # ------------------------------------------------------------------------------------------ rank bodies

@@ -132,13 +132,17 @@ def _flat(tree, prefix=""):
 )  # fmt: skip
 def test_the_turn_credit_recipes_change_only_the_credit(variant, base, changed):
     """Each turn-credit recipe is its base recipe but for the reward and the estimator (and, for
-    the laptop ablation, 4 turns, a longer time limit and, for PPO, a batch of single dialogues)."""
+    the laptop ablation, 4 turns, a longer time limit, the quickstart's batch and reply length of
+    when its figures were measured and, for PPO, a batch of single dialogues)."""
     variant_tree = yaml.safe_load((REPO / "recipes" / f"{variant}.yaml").read_text())
     base_tree = yaml.safe_load((REPO / "recipes" / f"{base}.yaml").read_text())
     a, b = _flat(variant_tree), _flat(base_tree)
     differ = {key for key in a.keys() | b.keys() if a.get(key) != b.get(key)} - {"trainer.default_root_dir"}
     if base == "quickstart":
-        changed = changed | {"model.rollout.max_turns", "trainer.max_time"}
+        # and the batch and reply length the published ablation used, which the quickstart left after
+        changed = changed | {
+            "model.rollout.max_turns", "trainer.max_time", "model.rollout.max_new_tokens", "data.batch_size",
+        }  # fmt: skip
         assert variant_tree["model"]["rollout"]["max_turns"] == 4
     assert differ == changed
     assert variant_tree["trainer"]["default_root_dir"] == f"runs/{variant}"

@@ -204,8 +204,16 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read counters instead
         pass
 
+    def _answered(self) -> None:
+        """The request stops counting as in flight before its answer is written: the client may
+        send its next request the moment it reads this one, before this thread runs again."""
+        if getattr(self, "_counted", False):
+            self._counted = False
+            self.server.script.leave()
+
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
+        self._answered()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -223,10 +231,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.server.script.enter(dict(self.headers))
+        self._counted = True
         try:
             self._answer()
         finally:
-            self.server.script.leave()
+            self._answered()
 
     def _answer(self) -> None:
         script = self.server.script
@@ -254,6 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
             fault = None  # then a valid answer
         if fault == "garbage":  # HTTP 200 with a body that is not a chat completion
             data = b"<html>502 Bad Gateway</html>"
+            self._answered()
             try:
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
