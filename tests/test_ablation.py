@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import time
 from dataclasses import dataclass, field
@@ -221,6 +222,7 @@ def test_bad_inputs_get_one_error_naming_the_flag(tmp_path, flags, message):
 def test_the_shipped_arms_files_parse():
     expected = {"turn_credit": 4, "environment": 2, "overlap": 2}
     expected |= {"quickstart_levers": 2, "quickstart_steps": 2, "quickstart_kl": 2, "quickstart_entropy": 2}
+    expected |= {"quickstart_replies": 2, "quickstart_three_turns": 4}
     shipped = sorted(Path("recipes/ablations").glob("*.yaml"))
     assert {path.stem for path in shipped} >= set(expected), shipped
     for path in shipped:
@@ -252,6 +254,17 @@ def test_launcher_print_writes_one_fit_a_line_resuming_and_skipping(tmp_path, ca
         "ref": "",
         "lr": "--model.actor_lr 5e-5",
     }
+
+
+def test_launcher_print_with_drop_checkpoints_deletes_them_only_after_a_run_that_ended_well(tmp_path, capsys):
+    out = tmp_path / "abl dir"  # a space: the line must still split into the right words
+    flags = ["--config", "recipes/quickstart.yaml", "--arm", "ref=", "--seeds", "0", "--steps", "3"]
+    flags += ["--out", str(out), "--launcher", "print", "--drop-checkpoints"]
+    assert ablate_command(flags) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    fit, separator, removal = line.partition(" && ")
+    assert separator and shlex.split(fit)[:2] == ["rlver", "fit"]
+    assert shlex.split(removal) == ["rm", "-rf", f"{out}/ref/seed-0/checkpoints"]
 
 
 def test_a_killed_run_is_said_at_once_with_its_signal_and_the_next_run_goes_on(tmp_path, capsys, monkeypatch):

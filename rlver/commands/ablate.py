@@ -71,7 +71,8 @@ def ablate_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drop-checkpoints",
         action="store_true",
-        help="delete each finished run's checkpoints/ (its scores stay; a longer rerun starts it afresh)",
+        help="delete each finished run's checkpoints/ (its scores stay; a longer rerun starts it afresh);"
+        " with --launcher print, each line ends with `&& rm -rf <run>/checkpoints`",
     )
     return parser
 
@@ -310,7 +311,10 @@ def ablate_command(argv: list[str]) -> int:
     pending = [(a, s) for a, s in plan.runs() if not is_finished(plan.folder(a, s), plan.steps)]
     if args.launcher == "print":
         for arm, seed in pending:
-            print(shlex.join(["rlver", *plan.fit_arguments(arm, seed)]))
+            line = shlex.join(["rlver", *plan.fit_arguments(arm, seed)])
+            if args.drop_checkpoints:  # only after a run that ended well: a failed one resumes from them
+                line += " && " + shlex.join(["rm", "-rf", str(plan.folder(arm, seed) / "checkpoints")])
+            print(line)
         return 0
     skipped = len(plan.runs()) - len(pending)
     if skipped:
