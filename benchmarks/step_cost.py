@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from rlver.commands.ablate import ablate_parser, build_plan
+from rlver.commands.ablation_runs import training_curve
 
 AVX2_FLAGS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 STEP_LINE = re.compile(r"^step (\d+)/\d+ .*\((\d+(?:\.\d+)?) s\)\s*$", re.M)
@@ -43,14 +44,7 @@ def step_seconds(log: str) -> list[float]:
 
 def logged_seconds(run_folder: Path, tag: str) -> list[float]:
     """A `perf/` scalar of every step after the first, from the run's TensorBoard events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values: dict[int, float] = {}
-    for events in sorted((run_folder / "tensorboard").glob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        if tag in accumulator.Tags()["scalars"]:
-            values |= {event.step: event.value for event in accumulator.Scalars(tag)}
+    values = training_curve(run_folder / "tensorboard", tag)
     return [value for step, value in sorted(values.items()) if step > 0]
 
 

@@ -150,8 +150,8 @@ def is_finished(folder: Path, steps: int | None = None) -> bool:
     return steps is None or trained >= steps
 
 
-def training_curve(log_folder: Path) -> dict[int, float]:
-    """`rollout/final_emotion` by step from the run's TensorBoard events.
+def training_curve(log_folder: Path, tag: str = CURVE_TAG) -> dict[int, float]:
+    """A scalar by step (`rollout/final_emotion` unless `tag` says) from the run's TensorBoard events.
 
     A resumed run logged again the steps after its last checkpoint: the later event files win.
     """
@@ -163,7 +163,7 @@ def training_curve(log_folder: Path) -> dict[int, float]:
     for path in files:
         for event in EventFileLoader(str(path)).Load():
             for value in event.summary.value:
-                if value.tag != CURVE_TAG:
+                if value.tag != tag:
                     continue
                 if value.HasField("simple_value"):
                     curve[int(event.step)] = float(value.simple_value)
