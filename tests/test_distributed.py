@@ -151,14 +151,18 @@ def _run_ranks(
 
     A rank that fails ends the run at once (its peer would wait at the next collective until the
     timeout). The rendezvous port is free when drawn, but another process of the suite may bind it
-    before rank 0 does: that run is started again on a new port, at most twice.
+    before rank 0 does (EADDRINUSE), or connect to it (a gloo "Connection reset by peer" with no
+    traceback of the test's own): that run is started again on a new port, at most twice.
     """
     for attempt in range(3):
         errors, hung, processes = _launch_ranks(target, out, args, init_group, timeout)
-        if not (errors and "EADDRINUSE" in "".join(errors) and attempt < 2):
+        port_taken = "EADDRINUSE" in "".join(errors)
+        only_resets = bool(errors) and all("Connection reset by peer" in error for error in errors)
+        if not ((port_taken or only_resets) and attempt < 2):
             break
     if errors:
-        pytest.fail("\n".join(errors))
+        codes = [process.exitcode for process in processes]
+        pytest.fail("\n".join(errors) + f"\nexit codes {codes} (negative: ended by that signal)")
     if hung:
         pytest.fail(f"ranks {hung} still running after {timeout} s (a collective hung)")
     codes = [process.exitcode for process in processes]
