@@ -110,8 +110,23 @@ def test_each_run_brings_its_change_over_users_and_its_training_quarters():
     assert (change["low"], change["high"]) == (pytest.approx(10 / 3 - half), pytest.approx(10 / 3 + half))
     assert (change["better"], change["worse"], change["users"]) == (2, 0, 3)
     assert run.quarters() == (1.5, 8.5)
+    assert run.rise() is not None and run.rise()["mean"] == pytest.approx(7.0)
     assert RunScores("ref", 0, {"u1": 1.0}, None, {1: 1.0, 2: 2.0, 3: 3.0}).quarters() is None
     assert RunScores("ref", 0, {"u1": 1.0}).change() is None
+
+
+def test_the_training_rise_gets_welchs_interval_over_the_quarters_steps():
+    # 8 steps: quarters of 2; first 30, 32 (mean 31, variance 2), last 34, 36 (mean 35, variance 2).
+    curve = dict(enumerate([30.0, 32.0, 31.0, 33.0, 33.0, 34.0, 34.0, 36.0], start=1))
+    run = RunScores("ref", 0, {"u1": 1.0}, {"u1": 0.0}, curve)
+    rise = run.rise()
+    # Welch with equal variances and sizes: se = sqrt(2/2 + 2/2), 2 degrees of freedom.
+    assert rise["mean"] == pytest.approx(4.0)
+    assert rise["high"] - 4.0 == pytest.approx(T_975_DF2 * math.sqrt(2.0))
+    assert RunScores("ref", 0, {"u1": 1.0}, None, dict(enumerate([1.0] * 7, start=1))).rise() is None
+    text = markdown(summarize([run], ["ref"]), title="t")
+    low, high = 4.0 - T_975_DF2 * math.sqrt(2.0), 4.0 + T_975_DF2 * math.sqrt(2.0)
+    assert f"31.0 -> 35.0 (+4.0 [{low:+.1f}, {high:+.1f}])" in text
 
 
 def test_each_arms_gain_gets_a_t_interval_over_seeds():

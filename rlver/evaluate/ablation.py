@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlver.evaluate.intervals import mean_interval, paired_by_key
+from rlver.evaluate.intervals import difference_of_means, mean_interval, paired_by_key
 
 # The training reward's tail: the mean of a run's last steps, a less noisy end point than one step.
 TAIL_STEPS = 3
@@ -85,10 +85,27 @@ class RunScores:
         steps = sorted(self.curve)
         if len(steps) < 4:
             return None
+        first, last = self._quarter_values(steps)
+        return math.fsum(first) / len(first), math.fsum(last) / len(last)
+
+    def rise(self) -> dict[str, float] | None:
+        """The last quarter's mean minus the first's, with Welch's 95% interval over their steps.
+
+        How sure one run is that its training reward rose: a step's mean final emotion moves about
+        a point from step to step on a plateau (the users each step draws, the sampling), so a
+        rise of 2.7 and one of 3.3 can be the same run's luck. The steps are taken as independent
+        draws; a trend inside a quarter widens the interval, so it errs wide. None with fewer than
+        8 steps (a quarter needs 2 steps for a spread).
+        """
+        steps = sorted(self.curve)
+        if len(steps) < 8:
+            return None
+        first, last = self._quarter_values(steps)
+        return difference_of_means(first, last).as_dict()
+
+    def _quarter_values(self, steps: list[int]) -> tuple[list[float], list[float]]:
         quarter = len(steps) // 4
-        first = [self.curve[step] for step in steps[:quarter]]
-        last = [self.curve[step] for step in steps[-quarter:]]
-        return math.fsum(first) / quarter, math.fsum(last) / quarter
+        return [self.curve[step] for step in steps[:quarter]], [self.curve[step] for step in steps[-quarter:]]
 
     @property
     def tail(self) -> float | None:
@@ -181,6 +198,7 @@ def _run_detail(run: RunScores) -> dict[str, Any]:
         "gain": run.gain,
         "change": run.change(),
         "training_quarters": None if quarters is None else {"first": quarters[0], "last": quarters[1]},
+        "training_rise": run.rise(),
     }
 
 

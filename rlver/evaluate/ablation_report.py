@@ -98,10 +98,18 @@ def _gain_over_seeds(arms: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rise_cell(quarters: dict[str, float], rise: dict[str, float] | None) -> str:
+    """`31.5 -> 35.7 (+4.2 [+3.0, +5.4])`: the quarters, and the rise with its interval when known."""
+    difference = quarters["last"] - quarters["first"]
+    bounds = "" if rise is None else f" [{rise['low']:+.1f}, {rise['high']:+.1f}]"
+    return f"{quarters['first']:.1f} -> {quarters['last']:.1f} ({difference:+.1f}{bounds})"
+
+
 def _per_run(arms: dict[str, Any]) -> list[str]:
     lines = [
         "Per run: the greedy change over the held-out users with its paired 95% t interval over users,"
-        " and the training reward's first and last quarter (mean final emotion of the steps' dialogues):",
+        " and the training reward's first and last quarter (mean final emotion of the steps' dialogues;"
+        " the rise with its 95% Welch interval over the quarters' steps):",
         "",
         "| arm | seed | greedy before -> after | change [95% interval over users] | users happier"
         " | training, first -> last quarter |",
@@ -117,12 +125,7 @@ def _per_run(arms: dict[str, Any]) -> list[str]:
                 else f"{change['mean']:+.1f} [{change['low']:+.1f}, {change['high']:+.1f}]"
             )
             happier = "n/a" if change is None else f"{change['better']}/{change['users']}"
-            trained = (
-                "n/a"
-                if quarters is None
-                else f"{quarters['first']:.1f} -> {quarters['last']:.1f}"
-                f" ({quarters['last'] - quarters['first']:+.1f})"
-            )
+            trained = "n/a" if quarters is None else _rise_cell(quarters, run.get("training_rise"))
             lines.append(
                 f"| {name} | {seed} | {before} -> {run['after']:.1f} | {changed} | {happier} | {trained} |"
             )
