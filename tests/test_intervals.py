@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlver.evaluate.intervals import mean_interval, paired_by_key, paired_change, per_user_means
+from rlver.evaluate.intervals import mean_interval, paired_by_key, paired_change, per_user_means, training_rise
 from rlver.train.callbacks import BeforeAfter, heldout_scores
 
 
@@ -51,6 +51,19 @@ def test_pairing_by_profile_id_ignores_order_and_refuses_missing_users():
     assert change.change.mean == pytest.approx(2.0) and (change.better, change.worse) == (1, 1)
     with pytest.raises(ValueError, match="unpaired: c"):
         paired_by_key({"a": 1.0, "c": 2.0}, {"a": 1.0})
+
+
+def test_training_rise_compares_the_last_quarter_with_the_first_by_welch():
+    # 9 steps: quarters of 2 (steps 1-2 and 8-9). First 30, 32 (mean 31, variance 2); last 34, 36.
+    curve = dict(enumerate([30.0, 32.0, 0.0, 0.0, 0.0, 0.0, 0.0, 34.0, 36.0], start=1))
+    rise = training_rise(curve)
+    assert (rise.first, rise.last, rise.rise.mean) == (31.0, 35.0, 4.0)
+    # Welch, equal variances and sizes: se sqrt(2/2 + 2/2), 2 degrees of freedom: t 4.302653.
+    assert rise.rise.high - 4.0 == pytest.approx(4.302653 * 2**0.5, abs=1e-5)
+    assert rise.format() == "31.0 -> 35.0 (+4.0 [-2.1, +10.1])"
+    # 4-7 steps: one step a quarter, no spread, no interval; under 4 steps nothing.
+    assert training_rise({1: 30.0, 2: 0.0, 3: 0.0, 4: 33.5}).format() == "30.0 -> 33.5 (+3.5)"
+    assert training_rise({1: 30.0, 2: 31.0, 3: 32.0}) is None
 
 
 def test_per_user_means_average_each_users_samples():
@@ -125,3 +138,38 @@ def test_before_after_rejects_bad_settings():
         BeforeAfter(samples=0)
     with pytest.raises(ValueError, match="limit"):
         BeforeAfter(limit=-1)
+
+
+def test_before_after_keeps_the_training_curve_through_a_resume_and_prints_its_rise(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    profiles = _profiles("u1", "u2")
+    module = SimpleNamespace(runner=SimpleNamespace(engine=SimpleNamespace(sync_weights=lambda: None)))
+    module.evaluation_rollouts = _Recorder(lambda i, p: 30.0)
+    emotions = [30.0, 32.0, 31.0, 33.0, 33.0, 34.0, 34.0, 36.0]  # quarters: 30, 32 and 34, 36
+
+    def step(callback, trainer, number):
+        trainer.global_step = number
+        trainer.callback_metrics = {"rollout/final_emotion": torch.tensor(emotions[number - 1])}
+        callback.on_train_batch_end(trainer, module, None, None, 0)
+
+    first = BeforeAfter()
+    trainer = _trainer(profiles, 0, tmp_path)
+    first.on_train_start(trainer, module)
+    for number in range(1, 6):
+        step(first, trainer, number)
+    saved = json.loads((tmp_path / "before_after.json").read_text())
+    assert saved["training_curve"] == {str(n): emotions[n - 1] for n in range(1, 6)} and saved["after"] is None
+
+    # Killed after step 5; the last checkpoint holds step 4, so step 5 is trained again.
+    resumed = BeforeAfter()
+    trainer = _trainer(profiles, 4, tmp_path)
+    resumed.on_train_start(trainer, module)
+    assert resumed.curve == {n: emotions[n - 1] for n in range(1, 5)}
+    for number in range(5, 9):
+        step(resumed, trainer, number)
+    trainer.max_steps = 8
+    resumed.on_train_end(trainer, module)
+    out = capsys.readouterr().out
+    assert "training reward  31.0 -> 35.0 (+4.0 [-2.1, +10.1])" in out and "of 8 steps" in out
+    record = json.loads((tmp_path / "before_after.json").read_text())
+    assert record["training_rise"]["mean"] == pytest.approx(4.0) and len(record["training_curve"]) == 8

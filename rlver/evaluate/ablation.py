@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlver.evaluate.intervals import difference_of_means, mean_interval, paired_by_key
+from rlver.evaluate.intervals import mean_interval, paired_by_key, training_rise
 
 # The training reward's tail: the mean of a run's last steps, a less noisy end point than one step.
 TAIL_STEPS = 3
@@ -77,35 +77,15 @@ class RunScores:
         }
 
     def quarters(self) -> tuple[float, float] | None:
-        """The training curve's first and last quarter means (None with fewer than 4 steps).
-
-        The issue-39 measure of whether the training reward rose: a quarter's mean over a quarter
-        of the steps is far less noisy than any one step's few dialogues.
-        """
-        steps = sorted(self.curve)
-        if len(steps) < 4:
-            return None
-        first, last = self._quarter_values(steps)
-        return math.fsum(first) / len(first), math.fsum(last) / len(last)
+        """The training curve's first and last quarter means (None with fewer than 4 steps)."""
+        rise = training_rise(self.curve)
+        return None if rise is None else (rise.first, rise.last)
 
     def rise(self) -> dict[str, float] | None:
-        """The last quarter's mean minus the first's, with Welch's 95% interval over their steps.
-
-        How sure one run is that its training reward rose: a step's mean final emotion moves about
-        a point from step to step on a plateau (the users each step draws, the sampling), so a
-        rise of 2.7 and one of 3.3 can be the same run's luck. The steps are taken as independent
-        draws; a trend inside a quarter widens the interval, so it errs wide. None with fewer than
-        8 steps (a quarter needs 2 steps for a spread).
-        """
-        steps = sorted(self.curve)
-        if len(steps) < 8:
-            return None
-        first, last = self._quarter_values(steps)
-        return difference_of_means(first, last).as_dict()
-
-    def _quarter_values(self, steps: list[int]) -> tuple[list[float], list[float]]:
-        quarter = len(steps) // 4
-        return [self.curve[step] for step in steps[:quarter]], [self.curve[step] for step in steps[-quarter:]]
+        """The last quarter's mean minus the first's with Welch's 95% interval over their steps
+        (`rlver.evaluate.intervals.training_rise`); None with fewer than 8 steps (no spread)."""
+        rise = training_rise(self.curve)
+        return None if rise is None or rise.rise.count < 2 else rise.rise.as_dict()
 
     @property
     def tail(self) -> float | None:

@@ -140,3 +140,37 @@ def per_user_means(ids: Sequence[str], scores: Sequence[float]) -> dict[str, flo
     for user, score in zip(ids, scores, strict=True):
         sums.setdefault(user, []).append(score)
     return {user: math.fsum(values) / len(values) for user, values in sums.items()}
+
+
+@dataclass(frozen=True)
+class TrainingRise:
+    """A training curve's first and last quarter means and the rise between them, with its interval."""
+
+    first: float
+    last: float
+    rise: Interval
+
+    def format(self) -> str:
+        """`31.5 -> 35.7 (+4.2 [+3.0, +5.4])`."""
+        return f"{self.first:.1f} -> {self.last:.1f} ({self.rise.format(signed=True)})"
+
+
+def training_rise(curve: Mapping[int, float]) -> TrainingRise | None:
+    """The last quarter of a curve's steps against the first (None with fewer than 4 steps).
+
+    Issue 39's measure of whether the training reward rose: a quarter's mean is far less noisy
+    than one step's few dialogues. The rise's interval is Welch's over the two quarters' steps
+    (`difference_of_means`): a step's mean final emotion moves about a point from step to step on
+    a plateau (which users the step drew, the sampling), so a rise of 2.7 and one of 3.3 can be the
+    same run's luck. The steps are taken as independent draws; a trend inside a quarter widens the
+    interval, so it errs wide. With 1-step quarters (4-7 steps) there is no spread: no interval.
+    """
+    steps = sorted(curve)
+    if len(steps) < 4:
+        return None
+    quarter = len(steps) // 4
+    first = [curve[step] for step in steps[:quarter]]
+    last = [curve[step] for step in steps[-quarter:]]
+    return TrainingRise(
+        math.fsum(first) / quarter, math.fsum(last) / quarter, difference_of_means(first, last)
+    )

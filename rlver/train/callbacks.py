@@ -13,7 +13,11 @@ import lightning as L
 from rlver.checkpoint.stopping import last_checkpoint_path
 from rlver.core.console import phase
 from rlver.core.emotion import DIFFICULTIES
-from rlver.evaluate.intervals import paired_by_key, per_user_means
+from rlver.evaluate.intervals import paired_by_key, per_user_means, training_rise
+
+# The training curve BeforeAfter keeps: the module logs each step's mean final emotion of its
+# training dialogues under this name (rlver.train.run_log; `rlver ablate` reads the same tag).
+TRAINING_CURVE_METRIC = "rollout/final_emotion"
 
 
 class BeforeAfter(L.Callback):
@@ -28,7 +32,10 @@ class BeforeAfter(L.Callback):
     differ only by what training changed. Every rank talks with the same users (so sharded
     generation stays in step); rank 0 prints. The "before" scores are written to
     `before_after.json` as soon as they exist, so a run killed and resumed (`--ckpt_path last`)
-    still reports its paired change (`rlver ablate` resumes runs this way).
+    still reports its paired change (`rlver ablate` resumes runs this way). It also keeps the
+    training curve (each step's mean final emotion of its training dialogues, written beside the
+    scores as the run goes) and prints its first and last quarter with the rise's 95% interval
+    over their steps: whether the sampled training dialogues improved too, and how surely.
 
     Args:
         split: The data split to evaluate on: test or val.
@@ -61,6 +68,8 @@ class BeforeAfter(L.Callback):
             raise ValueError(f"BeforeAfter samples ({samples}) must be >= 1")
         self.split, self.limit, self.seed, self.samples = split, limit, seed, samples
         self.before: dict[str, float] | None = None
+        self.curve: dict[int, float] = {}
+        self._log_dir: str | None = None
 
     def _finals(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
         profiles = trainer.datamodule.profiles(self.split)
@@ -76,9 +85,13 @@ class BeforeAfter(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         pl_module.runner.engine.sync_weights()  # an engine with its own copy must hold these weights
-        log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
+        log_dir = self._log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
         if trainer.global_step != 0:
-            self.before = self._saved_before(log_dir)
+            saved = self._saved(log_dir)
+            self.before = saved.get("before")
+            # Steps after the checkpoint are trained again: keep only the ones it holds.
+            curve = saved.get("training_curve") or {}
+            self.curve = {int(k): float(v) for k, v in curve.items() if int(k) <= trainer.global_step}
             return
         with phase(f"talking with {self._users(trainer)} before training (greedy)"):
             self.before = self._finals(trainer, pl_module)
@@ -95,19 +108,28 @@ class BeforeAfter(L.Callback):
             "difficulty": self.difficulty,
         }
 
-    def _saved_before(self, log_dir: str | None) -> dict[str, float] | None:
-        """A resumed run's "before", as its first start wrote it (None if absent or made otherwise)."""
+    def _saved(self, log_dir: str | None) -> dict[str, Any]:
+        """A resumed run's record, as its first start wrote it ({} if absent or made otherwise)."""
         path = Path(log_dir or "") / "before_after.json"
         if not log_dir or not path.is_file():
-            return None
+            return {}
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
-            return None
+            return {}
         settings = self._settings()
         if any(record.get(key, settings[key]) != value for key, value in settings.items()):
-            return None
-        return record.get("before")
+            return {}
+        return record
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        value = trainer.callback_metrics.get(TRAINING_CURVE_METRIC)
+        if value is None:
+            return
+        self.curve[int(trainer.global_step)] = round(float(value), 4)
+        if self._log_dir and trainer.global_rank == 0:  # a killed run keeps its curve for the resume
+            self._write(self._log_dir, {**self._settings(), "step": 0, "before": self.before, "after": None,
+                                  "training_curve": self.curve})  # fmt: skip
 
     @staticmethod
     def _write(log_dir: str, record: dict[str, Any]) -> None:
@@ -140,12 +162,22 @@ class BeforeAfter(L.Callback):
             )
         else:
             lines.append(f"  after {trainer.global_step} steps  {mean_after:.1f}  (resumed run: no 'before')")
+        rise = training_rise(self.curve)
+        if rise is not None:
+            lines.append(
+                f"  training reward  {rise.format()}  (mean final emotion of the training dialogues,"
+                f" first -> last quarter of {len(self.curve)} steps [95% interval over their steps])"
+            )
         record = {
             **self._settings(),
             "step": trainer.global_step,
             "before": self.before,
             "after": after,
             "change": change.as_dict() if change is not None else None,
+            "training_curve": self.curve,
+            "training_rise": None
+            if rise is None
+            else {"first": rise.first, "last": rise.last, **rise.rise.as_dict()},
         }
         if log_dir:
             self._write(log_dir, record)
