@@ -7,7 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlver.evaluate.intervals import mean_interval, paired_by_key, paired_change, per_user_means, training_rise
+from rlver.evaluate.intervals import (
+    mean_interval,
+    paired_by_key,
+    paired_change,
+    per_user_means,
+    training_rise,
+)
 from rlver.train.callbacks import BeforeAfter, heldout_scores
 
 
@@ -158,7 +164,9 @@ def test_before_after_keeps_the_training_curve_through_a_resume_and_prints_its_r
     for number in range(1, 6):
         step(first, trainer, number)
     saved = json.loads((tmp_path / "before_after.json").read_text())
-    assert saved["training_curve"] == {str(n): emotions[n - 1] for n in range(1, 6)} and saved["after"] is None
+    assert (
+        saved["training_curve"] == {str(n): emotions[n - 1] for n in range(1, 6)} and saved["after"] is None
+    )
 
     # Killed after step 5; the last checkpoint holds step 4, so step 5 is trained again.
     resumed = BeforeAfter()
