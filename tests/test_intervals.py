@@ -84,7 +84,15 @@ class _Recorder:
 
     def __call__(self, profiles, *, seed):
         self.calls.append(([p.id for p in profiles], seed))
-        return [SimpleNamespace(final_emotion=self.scores(i, p)) for i, p in enumerate(profiles)]
+        return [_Dialogue(p.id, self.scores(i, p)) for i, p in enumerate(profiles)]
+
+
+class _Dialogue(SimpleNamespace):
+    def __init__(self, profile_id, final_emotion):
+        super().__init__(profile_id=profile_id, final_emotion=final_emotion)
+
+    def to_record(self):
+        return {"profile_id": self.profile_id, "final_emotion": self.final_emotion}
 
 
 def _profiles(*ids):
@@ -135,8 +143,21 @@ def test_before_after_uses_its_own_seed_not_the_training_seed_and_prints_the_int
     assert "after 3 steps  32.5  (+2.5 [+0.4, +4.6]; 4/4 users ended happier)" in out
     record = json.loads((tmp_path / "before_after.json").read_text())
     assert record["before"] == {p.id: 30.0 for p in profiles}
+    # The evaluation's dialogues beside the scores, before and after, as transcripts.
+    for stage, score in (("before", 30.0), ("after", 31.0)):
+        lines = (tmp_path / "before_after" / f"{stage}.jsonl").read_text().splitlines()
+        dialogues = [json.loads(line) for line in lines]
+        assert [d["profile_id"] for d in dialogues] == ["u1", "u2", "u3", "u4"]
+        assert dialogues[0]["final_emotion"] == score and dialogues[0]["evaluation_seed"] == 11
     assert record["change"]["change_low"] == pytest.approx(0.4458, abs=1e-4)
     assert record["seed"] == 11 and record["step"] == 3
+
+
+def test_before_after_writes_no_transcripts_when_asked_not_to(tmp_path):
+    module = SimpleNamespace(runner=SimpleNamespace(engine=SimpleNamespace(sync_weights=lambda: None)))
+    module.evaluation_rollouts = _Recorder(lambda i, p: 30.0)
+    BeforeAfter(transcripts=False).on_train_start(_trainer(_profiles("u1"), 0, tmp_path), module)
+    assert (tmp_path / "before_after.json").is_file() and not (tmp_path / "before_after").exists()
 
 
 def test_before_after_rejects_bad_settings():

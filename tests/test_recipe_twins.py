@@ -133,6 +133,13 @@ def test_laptop_recipe_twin_trains(recipe, tmp_path, tiny_model_dir):
     (record,) = (tmp_path / "runs" / recipe).rglob("before_after.json")
     scores = json.loads(record.read_text())
     assert len(scores["before"]) == len(scores["after"]) == 64 and scores["step"] == 2
+    # ... and the greedy dialogues themselves, to read why a score moved
+    dialogues = [json.loads(line) for line in (record.parent / "before_after" / "after.jsonl").open()]
+    assert len(dialogues) == 64 and {d["profile_id"] for d in dialogues} == set(scores["after"])
+    assert all(
+        d["turns"][0]["role"] == "user" and d["final_emotion"] == scores["after"][d["profile_id"]]
+        for d in dialogues
+    )
     assert f"runs/{recipe}/checkpoints/last.ckpt" in result.stdout
 
 

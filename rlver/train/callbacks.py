@@ -14,6 +14,7 @@ from rlver.checkpoint.stopping import last_checkpoint_path
 from rlver.core.console import phase
 from rlver.core.emotion import DIFFICULTIES
 from rlver.evaluate.intervals import paired_by_key, per_user_means, training_rise
+from rlver.rollout.transcripts import TranscriptWriter
 
 # The training curve BeforeAfter keeps: the module logs each step's mean final emotion of its
 # training dialogues under this name (rlver.train.run_log; `rlver ablate` reads the same tag).
@@ -45,6 +46,9 @@ class BeforeAfter(L.Callback):
         difficulty: The users' difficulty in these dialogues (a level name: easy, normal, hard);
             None: the simulator's own. Pin it to compare runs trained against different users on
             the same test users (the environment ablation).
+        transcripts: Also write the evaluation's dialogues to `<log dir>/before_after/before.jsonl`
+            and `after.jsonl` (rlver's transcript format, with each user turn's judgement): what
+            the greedy policy said, to read why a score moved (about 3 KB a dialogue).
     """
 
     def __init__(
@@ -54,6 +58,7 @@ class BeforeAfter(L.Callback):
         seed: int = 0,
         samples: int = 1,
         difficulty: str | None = None,
+        transcripts: bool = True,
     ) -> None:
         if difficulty is not None and difficulty not in DIFFICULTIES:
             raise ValueError(
@@ -67,16 +72,20 @@ class BeforeAfter(L.Callback):
         if samples < 1:
             raise ValueError(f"BeforeAfter samples ({samples}) must be >= 1")
         self.split, self.limit, self.seed, self.samples = split, limit, seed, samples
+        self.transcripts = transcripts
         self.before: dict[str, float] | None = None
         self.curve: dict[int, float] = {}
         self._log_dir: str | None = None
 
-    def _finals(self, trainer: L.Trainer, pl_module: Any) -> dict[str, float]:
+    def _finals(self, trainer: L.Trainer, pl_module: Any, stage: str) -> dict[str, float]:
         profiles = trainer.datamodule.profiles(self.split)
         profiles = profiles[: self.limit] if self.limit else profiles
         if self.difficulty is not None:
             profiles = [replace(p, extra={**p.extra, "difficulty": self.difficulty}) for p in profiles]
-        return heldout_scores(pl_module.evaluation_rollouts, profiles, self.seed, self.samples)
+        # Every rank talks with the same users: rank 0 writes them.
+        keep = self.transcripts and self._log_dir and trainer.global_rank == 0
+        path = Path(self._log_dir or "") / "before_after" / f"{stage}.jsonl" if keep else None
+        return heldout_scores(pl_module.evaluation_rollouts, profiles, self.seed, self.samples, path)
 
     def _users(self, trainer: L.Trainer) -> str:
         count = len(trainer.datamodule.profiles(self.split))
@@ -94,7 +103,7 @@ class BeforeAfter(L.Callback):
             self.curve = {int(k): float(v) for k, v in curve.items() if int(k) <= trainer.global_step}
             return
         with phase(f"talking with {self._users(trainer)} before training (greedy)"):
-            self.before = self._finals(trainer, pl_module)
+            self.before = self._finals(trainer, pl_module, "before")
         if log_dir and trainer.global_rank == 0:
             self._write(log_dir, {**self._settings(), "step": 0, "before": self.before, "after": None})
 
@@ -141,7 +150,7 @@ class BeforeAfter(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         with phase(f"talking with {self._users(trainer)} after training (greedy)"):
-            after = self._finals(trainer, pl_module)
+            after = self._finals(trainer, pl_module, "after")
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
         checkpoint = last_checkpoint_path(trainer)
         if trainer.global_rank != 0:
@@ -190,14 +199,22 @@ class BeforeAfter(L.Callback):
 
 
 def heldout_scores(
-    evaluate: Callable[..., list[Any]], profiles: Sequence[Any], seed: int, samples: int = 1
+    evaluate: Callable[..., list[Any]],
+    profiles: Sequence[Any],
+    seed: int,
+    samples: int = 1,
+    transcripts: Path | None = None,
 ) -> dict[str, float]:
     """Each profile's mean final emotion over `samples` dialogues, all run as one batch.
 
     `evaluate(profiles, seed=...)` is `RLVERModule.evaluation_rollouts` (or a runner's `run`): a
     dialogue's user seed is derived from `seed`, its profile and its position, so the K copies of a
     profile face K differently-worded users, and the same call gives the same users every time.
+    With `transcripts`, the dialogues are written there too (replacing an earlier file).
     """
     repeated = [profile for profile in profiles for _ in range(samples)]
     trajectories = evaluate(repeated, seed=seed)
+    if transcripts is not None:
+        with TranscriptWriter(transcripts) as writer:
+            writer.write(trajectories, evaluation_seed=seed)
     return per_user_means([p.id for p in repeated], [t.final_emotion for t in trajectories])
