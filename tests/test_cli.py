@@ -51,10 +51,17 @@ def test_a_trainer_commands_help_is_its_own(rlver, command):
     assert status == 0
     assert "--model.simulator" in out and "--trainer.max_steps" in out and "--data.batch_size" in out
     assert "--ckpt_path" in out
+    # The module builds its optimizers from --model.*: Lightning's would replace them unseen.
+    assert "--optimizer" not in out and "--lr_scheduler" not in out and "--model.actor_lr" in out
     from rlver.cli import _lightning_cli_class
 
     assert list(_lightning_cli_class(command).subcommands()) == [command]
     assert list(_lightning_cli_class().subcommands()) == ["fit", "validate", "test", "predict"]
+
+
+def test_lightnings_optimizer_flag_is_refused_by_name(rlver):
+    status, _, err = rlver("fit", "--config", "recipes/quickstart.yaml", "--optimizer", "Adam")
+    assert status != 0 and "--optimizer" in err
 
 
 def test_unknown_simulator_is_one_clear_error(tmp_path):

@@ -21,6 +21,12 @@ def _lightning_cli_class(command: str | None = None) -> type:
     class RLVERCLI(LightningCLI):
         """LightningCLI over RLVERModule and ProfileDataModule with rlver's defaults."""
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # No `--optimizer` / `--lr_scheduler`: the module builds its own (AdamW per network,
+            # warmup and schedule from `--model.*`); Lightning's would replace them, critic included.
+            kwargs.setdefault("auto_configure_optimizers", False)
+            super().__init__(*args, **kwargs)
+
         @staticmethod
         def subcommands() -> dict[str, set[str]]:
             # Lightning builds a full parser per trainer method (fit, validate, test, predict) at
