@@ -3,6 +3,7 @@ recipe parsed and type-checked without building anything (`parse_recipe`)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ def _lightning_cli_class(command: str | None = None) -> type:
 
         def add_arguments_to_parser(self, parser: Any) -> None:
             parser.set_defaults({"trainer.num_sanity_val_steps": 0, "trainer.max_steps": 1000})
+            # Configs Lightning saved before the options went (`optimizer: null`) still load.
+            for flag in ("--optimizer", "--lr_scheduler"):
+                parser.add_argument(flag, type=_null_only, default=None, help=argparse.SUPPRESS)
 
         def _parse_ckpt_path(self) -> None:
             """The run's settings are the config's, never a checkpoint's: Lightning would replace
@@ -44,6 +48,17 @@ def _lightning_cli_class(command: str | None = None) -> type:
             silently use the old one, depending on how the checkpoint was named."""
 
     return RLVERCLI
+
+
+def _null_only(value: Any) -> None:
+    if value is not None and str(value).lower() not in ("null", "none"):
+        raise ValueError(value)
+
+
+# What jsonargparse calls the type in its error: "invalid <name> value: 'Adam'".
+_null_only.__name__ = (
+    "value: the optimizers are the module's (--model.actor_lr, --model.lr_schedule, ...); null, not a"
+)
 
 
 def check_config_files(argv: Sequence[str]) -> None:
