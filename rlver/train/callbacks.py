@@ -104,8 +104,8 @@ class BeforeAfter(L.Callback):
             return
         with phase(f"talking with {self._users(trainer)} before training (greedy)"):
             self.before = self._finals(trainer, pl_module, "before")
-        if log_dir and trainer.global_rank == 0:
-            self._write(log_dir, {**self._settings(), "step": 0, "before": self.before, "after": None})
+        if trainer.global_rank == 0:
+            self._write_progress()
 
     def _settings(self) -> dict[str, Any]:
         """What decides who the users are: a saved "before" is reused only under the same settings."""
@@ -136,9 +136,14 @@ class BeforeAfter(L.Callback):
         if value is None:
             return
         self.curve[int(trainer.global_step)] = round(float(value), 4)
-        if self._log_dir and trainer.global_rank == 0:  # a killed run keeps its curve for the resume
-            self._write(self._log_dir, {**self._settings(), "step": 0, "before": self.before, "after": None,
-                                  "training_curve": self.curve})  # fmt: skip
+        if trainer.global_rank == 0:  # a killed run keeps its curve for the resume
+            self._write_progress()
+
+    def _write_progress(self) -> None:
+        """The record of a run under way: the "before" scores and the curve so far, no "after"."""
+        if self._log_dir:
+            record = {"step": 0, "before": self.before, "after": None, "training_curve": self.curve}
+            self._write(self._log_dir, {**self._settings(), **record})
 
     @staticmethod
     def _write(log_dir: str, record: dict[str, Any]) -> None:
