@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rlver.evaluate.ablation import MeanError
+from rlver.evaluate.intervals import Interval, TrainingRise
 
 
 def _cell(value: dict[str, float] | None, signed: bool = False) -> str:
@@ -100,9 +101,9 @@ def _gain_over_seeds(arms: dict[str, Any]) -> list[str]:
 
 def _rise_cell(quarters: dict[str, float], rise: dict[str, float] | None) -> str:
     """`31.5 -> 35.7 (+4.2 [+3.0, +5.4])`: the quarters, and the rise with its interval when known."""
-    difference = quarters["last"] - quarters["first"]
-    bounds = "" if rise is None else f" [{rise['low']:+.1f}, {rise['high']:+.1f}]"
-    return f"{quarters['first']:.1f} -> {quarters['last']:.1f} ({difference:+.1f}{bounds})"
+    first, last = quarters["first"], quarters["last"]
+    interval = Interval(**rise) if rise is not None else Interval(last - first, last - first, last - first, 1)
+    return TrainingRise(first, last, interval).format()
 
 
 def _per_run(arms: dict[str, Any]) -> list[str]:
