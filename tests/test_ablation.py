@@ -260,7 +260,7 @@ def test_launcher_print_writes_one_fit_a_line_resuming_and_skipping(tmp_path, ca
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3  # 2 arms x 2 seeds, one finished
     assert lines[0] == (
-        "rlver fit --config recipes/quickstart.yaml --seed_everything 0 --model.rollout.seed 0 "
+        "rlver fit --config recipes/quickstart.yaml --seed_everything 0 "
         f"--trainer.max_steps 3 --trainer.max_time null --trainer.default_root_dir {out}/ref/seed-0"
     )
     assert lines[1].endswith(f"default_root_dir {out}/lr/seed-0 --model.actor_lr 5e-5")

@@ -201,3 +201,37 @@ def test_a_hung_rank_ends_the_job_within_the_watchdogs_time_with_last_ckpt(tmp_p
         for process in ranks:
             process.kill()
             process.wait()
+
+
+def test_the_emergency_save_keeps_a_live_main_thread_out_of_the_update_until_written(tmp_path):
+    """Issue 54: the phase check and the dump were not atomic with `rollouts_done`, so a slow but
+    live main thread could start changing the weights while the watchdog wrote them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    watch = HangWatchdog(timeout_minutes=1)
+    watch.progress("training step 3 (rollouts)")
+    dumping, events = threading.Event(), []
+
+    def dump_checkpoint(weights_only):
+        dumping.set()
+        time.sleep(0.5)  # the state is read while the main thread would begin its update
+        events.append("state dumped")
+        return {"global_step": 2}
+
+    trainer = SimpleNamespace(
+        strategy=SingleDeviceStrategy(device="cpu"),
+        global_rank=0,
+        global_step=2,
+        checkpoint_callback=ModelCheckpoint(dirpath=tmp_path, save_last=True),
+        _checkpoint_connector=SimpleNamespace(dump_checkpoint=dump_checkpoint),
+    )
+    saver = threading.Thread(target=lambda: events.append(watch.save_last_checkpoint(trainer)))
+    saver.start()
+    assert dumping.wait(10)
+    watch.rollouts_done()  # the main thread reaches its update
+    events.append("update begins")
+    saver.join(10)
+    assert events == ["state dumped", str(tmp_path / "last.ckpt"), "update begins"]
+    assert (tmp_path / "last.ckpt").is_file()
+    assert watch.phase == "training step 3 (update)"

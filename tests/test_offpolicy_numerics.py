@@ -61,20 +61,24 @@ def test_the_engine_weight_scales_each_tokens_advantage_by_min_of_the_ratio_and_
     assert (weighted - unweighted).abs().max() > 1e-4  # the cap is not a no-op here
 
 
-def test_the_engine_weight_is_off_by_default_and_checked():
-    assert PPOSettings().engine_importance_cap == 0.0
+def test_the_engine_weight_is_on_by_default_and_checked():
+    # On by default (issue 53): a bf16 engine's samples are corrected towards the trainer's policy.
+    assert PPOSettings().engine_importance_cap == 2.0
+    assert PPOSettings(engine_importance_cap=0.0).engine_importance_cap == 0.0
     with pytest.raises(
         ValueError, match=r"--model.ppo.engine_importance_cap \(0.5\) must be 0 \(off\) or >= 1"
     ):
         PPOSettings(engine_importance_cap=0.5)
 
 
-def test_the_overlapped_schedule_refuses_a_second_engine_weight():
+def test_the_overlapped_schedule_takes_the_engine_weight_as_zero():
     from rlver.train.components import overlap_settings
 
-    assert overlap_settings({"max_staleness": 1}, PPOSettings()).max_staleness == 1
-    with pytest.raises(ValueError, match="engine_importance_cap is for the synchronous schedules"):
-        overlap_settings({"max_staleness": 1}, PPOSettings(engine_importance_cap=2.0))
+    settings, ppo = overlap_settings({"max_staleness": 1}, PPOSettings())
+    assert settings.max_staleness == 1
+    assert ppo.engine_importance_cap == 0.0  # its own weight covers the engine: not twice
+    settings, ppo = overlap_settings(None, PPOSettings())
+    assert settings is None and ppo.engine_importance_cap == 2.0
 
 
 def test_the_mismatch_is_logged_as_max_mean_and_k3():

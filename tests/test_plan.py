@@ -198,13 +198,15 @@ def test_ppo_think_every_phase_by_hand():
     gathered_scoring = (POLICY_ROOT + CRITIC_ROOT + LAYER) * 2  # roots stay gathered, + one layer, bf16
     hidden = tokens * (2 * H + 3 * INTER) * 2
     chunk = 1024 * V  # the vocabulary maths 1,024 rows at a time (rlver.modeling.batch.in_vocab_chunks)
-    logits_scoring = tokens * V * 2 + chunk * (4 + 4)  # bf16 logits; a chunk's float32 copy, log-softmax
+    head_copy = V * H * 4  # the float32 head's copy of its bf16 weight (install_float32_head)
+    # float32 logits (the head computes in float32); a chunk's tempered copy, log-softmax
+    logits_scoring = tokens * V * 4 + head_copy + chunk * (4 + 4)
     gathered_update = (POLICY_ROOT + CRITIC_ROOT + 2 * LAYER) * 2  # + the prefetched layer
     checkpointed = 2 * LAYERS * tokens * H * 2  # each layer's bf16 input, policy and critic
     recomputed = tokens * (8 * H + 2 * (6 * H + 3 * KV + 4 * INTER))  # one layer's activations
-    # bf16 logits and their bf16 gradient; a recomputed chunk's float32 copy, log-softmax, gradient,
-    # entropy's log-probs and probs
-    logits_update = tokens * V * (2 + 2) + chunk * (4 + 4 + 4 + 8)
+    # float32 logits and their float32 gradient, the head's copy; a recomputed chunk's tempered
+    # copy, log-softmax, gradient, entropy's log-probs and probs
+    logits_update = tokens * V * (4 + 4) + head_copy + chunk * (4 + 4 + 4 + 8)
     unsharded_grads = POLICY_ROOT * 2
     reduce_copy = POLICY_ROOT * 4  # reduce-scattered in float32 (full_precision_reductions)
     reload_copy = V * H * 2  # vLLM materialises its largest module (embeddings, LM head) to reload it
@@ -242,8 +244,8 @@ PPO_THINK_GIB = {
     "engine idle (asleep)": 1.0,
     "engine awake": 63.4,
     "rollout": 71.3,
-    "scoring": 20.1,
-    "update": 40.6,
+    "scoring": 26.7,
+    "update": 51.9,
     "sync": 29.1,
     "checkpoint": 12.9,
 }
@@ -252,8 +254,8 @@ KNOWN_WRONG = {
     "engine idle (asleep)": (63.4, "an engine that never sleeps"),
     "engine awake": (64.0, "80 GiB where the card has 79.3"),
     "rollout": (71.8, "80 GiB where the card has 79.3"),
-    "scoring": (82.5, "the engine awake while scoring"),
-    "update": (36.5, "no float32 copy of the gradient for the reduce-scatter"),
+    "scoring": (89.1, "the engine awake while scoring"),
+    "update": (47.8, "no float32 copy of the gradient for the reduce-scatter"),
     "sync": (28.1, "no vLLM reload copy"),
     "checkpoint": (8.8, "no optimizer-state gather"),
 }
@@ -290,8 +292,8 @@ def test_ppo_think_table_through_the_cli(tmp_path, capsys):
     assert "32 GPU(s) of 80.0 GiB, FSDP FULL_SHARD over 32, weights 4 B, compute 2 B" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line[:1].isalpha()}
     assert rows["rollout"].split()[1:4] == ["71.8", "80.0", "yes"]
-    assert rows["update"].split()[1:4] == ["40.6", "80.0", "yes"]
-    assert "logits+grad+entropy 12.2" in rows["update"] and "float32 reduce copy 4.1" in rows["update"]
+    assert rows["update"].split()[1:4] == ["51.9", "80.0", "yes"]
+    assert "logits+grad+entropy 23.5" in rows["update"] and "float32 reduce copy 4.1" in rows["update"]
     assert "vLLM reload copy 1.0" in rows["sync"] and "engine weights (KV cache asleep) 14.2" in rows["sync"]
     assert "optimizer-state gather 4.1" in rows["checkpoint"]
     assert "assumptions:" in out
@@ -387,6 +389,7 @@ def test_a_141_gib_gpu_fits_what_80_does_not(tmp_path, capsys):
     recipe = recipe_copy(tmp_path, "ppo_think", model__dtype="float32", model__ppo__micro_batch_size=8)
     assert main(["plan", "--config", str(recipe), "--gpu-memory-gib", "80"]) == 1
     update = 93.1 + POLICY_ROOT * 4 / GIB  # the float32 reduce copy of the root's gradient
+    update += (8 * 8192 * V * (4 + 4 - 2 - 2) + V * H * 4) / GIB  # float32 logits and grad, head copy
     assert f"memory: update needs {update:.1f} GiB per GPU but 80.0 are available" in capsys.readouterr().out
     assert main(["plan", "--config", str(recipe), "--gpu-memory-gib", "141"]) == 0
     assert "OVER" not in capsys.readouterr().out

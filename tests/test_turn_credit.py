@@ -293,7 +293,11 @@ def test_a_lone_outlier_is_divided_by_a_floor_relative_to_the_steps_spread():
     assert old[3, 0].item() == pytest.approx(0.5 / 0.01)  # the others all scored 0.2: the absolute floor
     new = TurnCreditEstimator()(batch).advantages  # relative_std_floor 0.5
     others = T([0.2, 0.2, 0.2, 0.0, 0.4, 0.9, 0.1])  # every valid dialogue of the step but the outlier
-    assert new[3, 0].item() == pytest.approx(0.5 / (0.5 * others.std().item()), rel=1e-5)
+    step = T(
+        [0.2, 0.2, 0.2, 0.7, 0.0, 0.4, 0.9, 0.1]
+    )  # a first step: its own spread stands in for earlier ones
+    floor = 0.5 * max(others.std().item(), step.std().item())
+    assert new[3, 0].item() == pytest.approx(0.5 / floor, rel=1e-5)
     assert new.abs().max().item() < 5
     # a member whose group-mates disagree keeps the group's own std where that is larger
     group_std = T([0.2, 0.2, 0.7]).std().item()
@@ -301,7 +305,32 @@ def test_a_lone_outlier_is_divided_by_a_floor_relative_to_the_steps_spread():
     assert new[0, 0].item() == pytest.approx((0.2 - (0.2 + 0.2 + 0.7) / 3) / group_std, rel=1e-5)
     # the floor is the step's, over every rank: two "ranks" holding the same dialogues
     doubled = TurnCreditEstimator()(lone_outlier_batch(reduce_sum=lambda x: x * 2)).advantages
-    every_rank = torch.cat([others, T([0.2, 0.2, 0.2, 0.7, 0.0, 0.4, 0.9, 0.1])])
-    assert doubled[3, 0].item() == pytest.approx(0.5 / (0.5 * every_rank.std().item()), rel=1e-5)
+    every_rank = torch.cat([others, step])
+    both_ranks = torch.cat([step, step])
+    floor = 0.5 * max(every_rank.std().item(), both_ranks.std().item())
+    assert doubled[3, 0].item() == pytest.approx(0.5 / floor, rel=1e-5)
     with pytest.raises(ValueError, match="relative_std_floor"):
         TurnCreditEstimator(relative_std_floor=-1.0)
+
+
+def tied_but_one_batch():
+    """Issue 54: eight dialogues in two groups, seven at 0.3 and one at 0.8 (the saturated case:
+    all fail but one). The other dialogues' std is exactly 0 for the one that differs."""
+    mask, turn_ids, rewards = timeline([[0.3]] * 7 + [[0.8]], [[1]] * 8)
+    return AdvantageBatch(rewards, None, mask, T([0] * 4 + [1] * 4), turn_ids=turn_ids)
+
+
+def test_a_lone_outlier_among_tied_others_keeps_a_floor_at_every_step():
+    estimator = TurnCreditEstimator()
+    first = estimator(tied_but_one_batch()).advantages
+    step = T([0.3] * 7 + [0.8])
+    # the step's others tie (std 0): its own std, outlier included, stands in at the first step
+    assert first[7, 0].item() == pytest.approx(0.5 / (0.5 * step.std().item()), rel=1e-5)
+    assert first.abs().max().item() < 6  # was 50: (0.8 - 0.3) / std_floor 0.01
+    # later steps: the earlier steps' spread, which holds none of this step's returns
+    spread = step.std().item()
+    second = estimator(tied_but_one_batch()).advantages
+    assert second[7, 0].item() == pytest.approx(0.5 / (0.5 * spread), rel=1e-5)
+    assert estimator.earlier_spread == pytest.approx(spread, rel=1e-5)  # 0.9 x spread + 0.1 x spread
+    with pytest.raises(ValueError, match="scale_memory"):
+        TurnCreditEstimator(scale_memory=1.0)

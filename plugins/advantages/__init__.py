@@ -3,6 +3,8 @@ turn-level ones: `turn_gae` (the turn as GAE's time step) and `turn_credit` (cri
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlver import hookimpl
@@ -153,31 +155,45 @@ class TurnCreditEstimator(AdvantageEstimator):
     with other survivors (tests/test_turn_credit.py builds that case). The scale is positive
     and independent of i too: it weights a group's gradient, it does not turn it.
 
-    The divisor's floor is relative to the reward's scale: `relative_std_floor` times the std of
-    the whole returns of every other valid dialogue of the step (every rank's, dialogue i left
-    out so the floor stays independent of i). Without it, a group whose other members scored
-    alike divides by `std_floor` alone: with rewards in [0, 1] and a floor of 0.01, one
-    dialogue 0.5 apart gets an advantage of 50, about 50 times a normal one.
+    The divisor's floor is relative to the reward's scale: `relative_std_floor` times the larger
+    of two spreads, neither of which holds dialogue i's own return (so the floor stays independent
+    of i): the std of the whole returns of every other valid dialogue of the step (every rank's),
+    and the same std of the steps before (a running mean, `scale_memory`). Without a floor, a
+    group whose other members scored alike divides by `std_floor` alone: with rewards in [0, 1] and
+    a floor of 0.01, one dialogue 0.5 apart gets an advantage of 50. The step's own spread alone
+    vanishes in the case the floor is for: when every other dialogue of the step scored alike (all
+    failed but one, the saturated case of emotion rewards), which earlier steps' spread covers. At
+    the first step, with no earlier spread, the step's std with dialogue i in it stands in (a bias
+    of that one step, where the floor binds).
 
     Args:
         scale_by_std: Divide by the std of the other members' returns (at least the floors).
         std_floor: The smallest divisor, in reward units.
-        relative_std_floor: The smallest divisor as a fraction of the step's std of whole
-            returns (0: `std_floor` alone, as before this option).
+        relative_std_floor: The smallest divisor as a fraction of the spread of whole returns
+            (0: `std_floor` alone, as before this option).
+        scale_memory: Weight of the earlier steps in the running spread (per step: new = memory x
+            old + (1 - memory) x this step's std).
     """
 
     requires_critic = False
     requires_groups = True
 
     def __init__(
-        self, scale_by_std: bool = True, std_floor: float = 0.01, relative_std_floor: float = 0.5
+        self,
+        scale_by_std: bool = True,
+        std_floor: float = 0.01,
+        relative_std_floor: float = 0.5,
+        scale_memory: float = 0.9,
     ) -> None:
         if std_floor <= 0:
             raise ValueError(f"std_floor ({std_floor}) must be > 0")
         if relative_std_floor < 0:
             raise ValueError(f"relative_std_floor ({relative_std_floor}) must be >= 0")
+        if not 0 <= scale_memory < 1:
+            raise ValueError(f"scale_memory ({scale_memory}) must be within [0, 1)")
         self.scale_by_std, self.std_floor = scale_by_std, std_floor
-        self.relative_std_floor = relative_std_floor
+        self.relative_std_floor, self.scale_memory = relative_std_floor, scale_memory
+        self.earlier_spread: float | None = None  # the running std of whole returns, earlier steps
 
     def _scale_floors(self, batch: AdvantageBatch, turn_ids: torch.Tensor) -> torch.Tensor | None:
         """(B,) relative_std_floor x the step's std of whole returns without each dialogue."""
@@ -189,7 +205,13 @@ class TurnCreditEstimator(AdvantageEstimator):
         totals = batch.global_sum(
             torch.stack([valid.sum(), (whole * valid).sum(), (whole.square() * valid).sum()])
         )
-        return self.relative_std_floor * leave_one_out_std(whole, totals)
+        others = leave_one_out_std(whole, totals)
+        count, total, squares = (float(value) for value in totals)
+        spread = math.sqrt(max(squares - total * total / count, 0.0) / (count - 1)) if count >= 2 else 0.0
+        earlier = spread if self.earlier_spread is None else self.earlier_spread
+        memory = self.scale_memory if self.earlier_spread is not None else 0.0
+        self.earlier_spread = memory * earlier + (1 - memory) * spread  # for the next step
+        return self.relative_std_floor * torch.clamp(others, min=earlier)
 
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult:
         turn_ids = _turn_ids(batch)

@@ -81,7 +81,9 @@ class Plan:
         arguments = ["fit", "--config", self.config]
         if arm.recipe:
             arguments += ["--config", arm.recipe]
-        arguments += ["--seed_everything", str(seed), "--model.rollout.seed", str(seed)]
+        # The run's seed drives the training order and the sampling (data.seed and
+        # model.rollout.seed default to it); a recipe that pins either keeps its pin.
+        arguments += ["--seed_everything", str(seed)]
         if self.steps is not None:
             arguments += ["--trainer.max_steps", str(self.steps)]
         # Every run trains its steps: a clock limit would end slow runs early and compare unequal budgets.

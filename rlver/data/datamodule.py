@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from rlver.core.seeding import run_seed
 from rlver.core.types import Profile
 from rlver.data.profiles import load_profile_sets
 
@@ -106,7 +107,9 @@ class ProfileDataModule(L.LightningDataModule):
         train_limit: Train on only the first N training profiles (0: all), after `limit`. With
             N = steps x batch_size / passes, every pass shows the same users, so the training
             reward of one quarter of a run compares with another's on the same users.
-        seed: Seed of the training order.
+        seed: Seed of the training order. None (the default): the run's seed (`--seed_everything`),
+            so seeds of `rlver ablate` train on different users in a different order; a number
+            pins the order whatever the run's seed.
     """
 
     def __init__(
@@ -118,7 +121,7 @@ class ProfileDataModule(L.LightningDataModule):
         shuffle: bool = True,
         limit: int = 0,
         train_limit: int = 0,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -136,7 +139,7 @@ class ProfileDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.limit = limit
         self.train_limit = train_limit
-        self.seed = seed
+        self.seed = run_seed(seed)
         self._splits: dict[str, list[Profile]] = {}
 
     def profiles(self, split: str) -> list[Profile]:

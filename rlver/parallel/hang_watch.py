@@ -122,6 +122,10 @@ class HangWatchdog(Callback):
         self.checkpoint_seconds = checkpoint_seconds
         self.poll_seconds = max(0.05, min(poll_seconds, self.timeout_seconds / 10))
         self.phase = "starting"
+        # Held by a phase change and by the emergency save from its phase check to the write's
+        # end: a slow but live main thread cannot begin the update (or end the step) while
+        # the watchdog dumps the state it is about to change.
+        self.phase_lock = threading.Lock()
         self.clock = ProgressClock(self.timeout_seconds)
         self.trainer: Any = None
         self.stopped = threading.Event()
@@ -132,7 +136,8 @@ class HangWatchdog(Callback):
     def progress(self, phase: str | None = None) -> None:
         """Mark progress (any thread); with `phase`, also say what this rank is doing now."""
         if phase is not None:
-            self.phase = phase
+            with self.phase_lock:
+                self.phase = phase
         self.clock.mark()
 
     def _enter(self, phase: str) -> None:
@@ -245,7 +250,14 @@ class HangWatchdog(Callback):
         os._exit(1)
 
     def save_last_checkpoint(self, trainer: Any) -> str | None:
-        """Write `last.ckpt` without a collective, where the state is whole (see the module's docstring)."""
+        """Write `last.ckpt` without a collective, where the state is whole (see the module's docstring).
+
+        The phase stays in the step's rollouts until the write ends (`phase_lock`): the main
+        thread's next phase change, the update's start, waits for it."""
+        with self.phase_lock:
+            return self._save_in_rollouts(trainer)
+
+    def _save_in_rollouts(self, trainer: Any) -> str | None:
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         if f"({ROLLOUTS})" not in self.phase:

@@ -34,16 +34,18 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
 - scoring (old log-probs and values, no grad, per micro-batch): resident + engine asleep +
   gathered units in c: the roots of the policy and critic (FSDP1 keeps a root's parameters
   gathered after its forward) and one decoder layer; the live hidden states of one layer
-  S x L x (2h + 3I) x c; the logits S x L x V x c and one chunk's float32 copy and log-softmax
-  temporary (B x V x 4 each, B = min(S x L, 1,024) rows: rlver.modeling.batch.in_vocab_chunks).
+  S x L x (2h + 3I) x c; the logits S x L x V x 4 (the head computes in float32 whatever c:
+  rlver.modeling.precision.install_float32_head), with c < 4 the head's weight copied to float32
+  (V x h x 4), and one chunk's temperature-scaled copy and log-softmax temporary (B x V x 4
+  each, B = min(S x L, 1,024) rows: rlver.modeling.batch.in_vocab_chunks).
 - update (one micro-batch, at the start of the backward): resident + engine asleep + gathered
   roots and two decoder layers in c (the one in backward and the prefetched next) + activations
   of the policy and the critic (one backward for both): with `gradient_checkpointing` each layer's
   input S x L x h x c per layer and model plus one recomputed layer S x L x (8h + c(6h + 3k + 4I))
   (float32 RMSNorm inputs, q/k/v before and after RoPE, attention output, MLP gate/up/act/product),
-  without it that layer size x layers x models; the logits S x L x V x c and their gradient (in c),
-  and one chunk recomputed in the backward: its float32 copy, log-softmax temporary and gradient
-  (B x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and probabilities
+  without it that layer size x layers x models; the logits S x L x V x 4 and their gradient (in
+  float32), the head's float32 weight copy (V x h x 4, with c < 4), and one chunk recomputed in
+  the backward: its tempered copy, log-softmax temporary and gradient (B x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and probabilities
   (B x V x 4 each); the head counted at every position (the loss reads fewer: an upper bound);
   the unsharded c gradients of the
   largest unit (the policy's root) before their reduce-scatter, and their float32 copy (the
@@ -73,7 +75,8 @@ default off a GPU), not 80.
 Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 79.3 GiB; tests/test_plan.py
 derives every figure): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; engine awake 0.8 x
 79.3 = 63.4 (its KV cache must hold one 32,768-token sequence: 1.75 GiB); rollout 71.3; scoring
-20.1 (logits 2 x 8192 x 152064 x 2 B + 1024 x 152064 x 8 B = 5.8); update 40.6 (logits 12.2,
+26.7 (logits 2 x 8192 x 152064 x 4 B + the head's float32 copy 152064 x 3584 x 4 B + 1024 x
+152064 x 8 B = 12.5); update 51.9 (logits, their gradient, the head copy and one chunk 23.5,
 checkpointed activations 9.6, gathered 3.9, unsharded bf16 grads of the root 2.0 and their float32
 copy 4.1); sync 29.1 (engine weights 14.2, the root streamed in float32 + bf16 6.1, vLLM's reload
 copy 1.0); checkpoint 12.9 (optimizer-state gather of the root 4.1).
@@ -202,11 +205,12 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     logits = tokens * arch.vocab_size
     chunk = min(tokens, VOCAB_ROWS_PER_CHUNK) * arch.vocab_size  # one chunk's float32 work
     hidden = tokens * (2 * h + 3 * width) * c
+    head_copy = arch.vocab_size * h * 4 if c < 4 else 0  # the float32 head's weight
     scoring_parts = (
         *base,
         ("gathered", roots + layer_gathered),
         ("hidden", hidden),
-        ("logits", logits * c + chunk * (4 + 4)),
+        ("logits", logits * 4 + head_copy + chunk * (4 + 4)),
     )
     one_layer_activations = tokens * (8 * h + c * (6 * h + 3 * k + 4 * width))
     models = 2 if s.critic else 1
@@ -215,7 +219,7 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     else:
         activations = models * layers * one_layer_activations
     logits_label = "logits+grad" + ("+entropy" if s.entropy else "")
-    update_logits = logits * 2 * c + chunk * (4 + 4 + 4 + (8 if s.entropy else 0))
+    update_logits = logits * 2 * 4 + head_copy + chunk * (4 + 4 + 4 + (8 if s.entropy else 0))
     unsharded_grads = policy_root * c if sharded and s.lora_rank is None else 0.0
     # rlver.parallel.sharding.full_precision_reductions: FSDP reduce-scatters in float32, so a
     # low-precision unit's unsharded gradient is first copied to float32

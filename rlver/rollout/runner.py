@@ -57,6 +57,14 @@ class RolloutSettings:
         max_context_tokens: A dialogue whose next prompt plus reply would exceed this ends
             with termination "context_limit".
         seed: Base seed; dialogue i of a call uses a seed derived from it, the profile and i.
+            None (the default): the run's seed (`--seed_everything`), resolved when the module
+            is built (`rlver.core.seeding.run_seed`).
+        end_at_sentence: A reply that reaches `max_new_tokens` mid-sentence is cut back to its
+            last complete sentence (finish reason "sentence"): the user reads whole sentences, and
+            the update trains on the kept tokens only (a prefix of a sample is a sample of that
+            prefix, so their log-probs stay exact). A reply with no sentence end is kept whole
+            (finish reason "length"). For non-thinking formats: a thinking turn cut inside its
+            thinking is a format error either way.
         schedule: `dialogue`: each dialogue goes on as soon as its user has answered (users
             behind an endpoint are asked one dialogue at a time, concurrently); `lockstep`: every
             turn waits for all generations and then all answers (rlver.rollout.schedules).
@@ -67,8 +75,9 @@ class RolloutSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_context_tokens: int = 4096
-    seed: int = 0
+    seed: int | None = None
     schedule: str = "dialogue"
+    end_at_sentence: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -80,7 +89,36 @@ class RolloutSettings:
                 f"max_context_tokens ({self.max_context_tokens}) "
                 f"must exceed max_new_tokens ({self.max_new_tokens})"
             )
-        SamplingSettings(self.max_new_tokens, self.temperature, self.top_p, self.seed)  # validates the rest
+        SamplingSettings(
+            self.max_new_tokens, self.temperature, self.top_p, self.seed or 0
+        )  # validates the rest
+
+
+# What ends a sentence, and what may follow its mark before the sentence is over (quotes, brackets).
+SENTENCE_MARKS = ".!?\u2026\u3002\uff01\uff1f"  # . ! ? ... and the full-width 。！？
+CLOSERS = "\"')]\u201d\u2019\uff09\u300d\u300f"
+
+
+def sentence_end(tokenizer: Any, token_ids: Sequence[int]) -> int | None:
+    """How many of `token_ids` make up the reply's complete sentences (None: not one complete).
+
+    A sentence is complete where its mark (and any closing quote or bracket) is followed by
+    white space, a full-width mark, or the reply's end: "3.5" and "e.g." inside a word are not
+    ends. The decoded text of each prefix is checked, so a mark merged into a token with what
+    follows it (".\n") counts where that token ends.
+    """
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    for count in range(len(token_ids), 0, -1):
+        prefix = tokenizer.decode(list(token_ids[:count]), skip_special_tokens=True)
+        body = prefix.rstrip()
+        while body and body[-1] in CLOSERS:
+            body = body[:-1]
+        if not body or body[-1] not in SENTENCE_MARKS:
+            continue
+        rest = text[len(prefix) :] if text.startswith(prefix) else ""
+        if not rest or rest[0].isspace() or prefix != prefix.rstrip() or body[-1] > "\u2fff":
+            return count
+    return None
 
 
 def dialogue_seed(base_seed: int, profile_id: str, index: int) -> int:
@@ -217,13 +255,22 @@ class RolloutRunner:
         self.timings["generate"] += time.perf_counter() - started
         policy_turns = []
         for dialogue, generation in zip(batch, generations, strict=True):
-            completion = self.policy.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+            ids, logprobs, finish = (
+                list(generation.token_ids),
+                list(generation.logprobs),
+                generation.finish_reason,
+            )
+            if finish == "length" and self.settings.end_at_sentence:
+                cut = sentence_end(self.policy.tokenizer, ids)
+                if cut is not None and cut < len(ids):
+                    ids, logprobs, finish = ids[:cut], logprobs[:cut], "sentence"
+            completion = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
             policy_turns.append(
                 PolicyTurn(
                     prompt_ids=list(dialogue.prompt_ids),
-                    response_ids=list(generation.token_ids),
-                    logprobs=list(generation.logprobs),
-                    finish_reason=generation.finish_reason,
+                    response_ids=ids,
+                    logprobs=logprobs,
+                    finish_reason=finish,
                     completion=completion,
                     parsed=self.prompt_format.parse(completion),
                 )

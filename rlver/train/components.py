@@ -5,11 +5,13 @@ Every error names the `--model.` flag it is about. Nothing here loads a model or
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rlver.core.plugins import get_registry, plain_config, split_spec
+from rlver.core.seeding import run_seed
 from rlver.modeling.lora import LoraSettings
 from rlver.modeling.models import DTYPES
 from rlver.modeling.networks import LR_SCHEDULES
@@ -63,16 +65,15 @@ def check_potential_rewards(rewards: list[tuple[str, float, Any]], estimator: An
             )
 
 
-def overlap_settings(overlap: Any, ppo: PPOSettings) -> OverlapSettings | None:
-    """`--model.overlap` as settings; refused beside `--model.ppo.engine_importance_cap`, which
-    would weight the tokens a second time (the overlapped mode's own weight covers the engine)."""
+def overlap_settings(overlap: Any, ppo: PPOSettings) -> tuple[OverlapSettings | None, PPOSettings]:
+    """`--model.overlap` as settings, and the PPO settings the overlapped mode runs with: its own
+    weight pi_prox / pi_engine (`--model.overlap.max_importance_weight`) already covers the
+    engine, so `--model.ppo.engine_importance_cap` is taken as 0 there (a token weighted twice
+    would count the engine's mismatch twice)."""
     settings = OverlapSettings(**plain_config(overlap)) if isinstance(overlap, dict) else overlap
     if settings is not None and ppo.engine_importance_cap:
-        raise ValueError(
-            "--model.ppo.engine_importance_cap is for the synchronous schedules: the overlapped "
-            "one already weights each token by pi_prox / pi_engine (--model.overlap.max_importance_weight)"
-        )
-    return settings
+        ppo = dataclasses.replace(ppo, engine_importance_cap=0.0)
+    return settings, ppo
 
 
 def checked_settings(
@@ -105,6 +106,8 @@ def checked_settings(
     if not 0.0 <= min_lr_ratio <= 1.0:
         raise ValueError(f"--model.min_lr_ratio ({min_lr_ratio}) must be within [0, 1]")
     rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
+    if rollout_settings.seed is None:  # the run's seed: --seed_everything varies the sampling too
+        rollout_settings = dataclasses.replace(rollout_settings, seed=run_seed())
     ppo_settings = _as_settings(PPOSettings, ppo, "--model.ppo")
     lora_settings = _as_settings(LoraSettings, lora, "--model.lora") if lora is not None else None
     if eval_temperature < 0:

@@ -147,7 +147,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             dtype, group_size, actor_warmup_ratio, critic_warmup_ratio, rollout, ppo, lora, eval_temperature,
             curriculum, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
         )  # fmt: skip
-        self.overlap = overlap_settings(overlap, self.ppo)
+        self.overlap, self.ppo = overlap_settings(overlap, self.ppo)
         self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's steps ahead
         self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).

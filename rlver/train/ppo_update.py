@@ -55,10 +55,15 @@ class PPOSettings:
             opening) once, not once per sequence (rlver.modeling.shared_prefix; False: as before).
         engine_importance_cap: Multiply each token's advantage by min(pi_trainer / pi_engine,
             cap), pi_trainer the trainer's log-prob of the sampled token before the update and
-            pi_engine the engine's (truncated importance sampling for a sampler whose numerics
-            differ from the trainer's: vLLM's kernels, bf16). 0: off, the default, for engines
-            that match the trainer (`rollout/logprob_gap_mean` and `rollout/logprob_k3` show how
-            far they are apart). The overlapped mode corrects with `--model.overlap.max_importance_weight`.
+            pi_engine the engine's (truncated importance sampling: the engine's kernels and dtype,
+            vLLM's bf16 on GPUs, sample from a distribution a little off the one the update
+            assumes, and without the weight the update follows the engine's rounding; docs/
+            performance.md, "bf16 and what the update learns"). 2 by default, on for every
+            recipe: where engine and trainer agree (float32 on both) every weight is 1 within
+            rounding and nothing changes. 0: off. `rollout/logprob_gap_mean`, `rollout/logprob_k3`
+            and `rollout/engine_weight_truncated_fraction` show how far they are apart. The
+            overlapped mode corrects with its own weight (`--model.overlap.max_importance_weight`)
+            and takes this one as 0.
     """
 
     ppo_epochs: int = 1
@@ -74,7 +79,7 @@ class PPOSettings:
     kl_mode: str = "in-loss"
     head_at_loss_positions: bool = True
     share_prompt_prefix: bool = True
-    engine_importance_cap: float = 0.0
+    engine_importance_cap: float = 2.0
 
     def __post_init__(self) -> None:
         checks = [

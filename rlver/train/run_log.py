@@ -59,6 +59,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory], prefix: str) -> dict[str
         f"{prefix}/reply_tokens": sum(len(t.response_ids) for t in turns) / max(len(turns), 1),
         f"{prefix}/format_violation_rate": summary["format_violations"] / max(len(turns), 1),
         f"{prefix}/truncated_rate": sum(t.finish_reason == "length" for t in turns) / max(len(turns), 1),
+        # replies cut back to their last whole sentence (`rollout.end_at_sentence`)
+        f"{prefix}/sentence_cut_rate": sum(t.finish_reason == "sentence" for t in turns) / max(len(turns), 1),
     }
 
 
