@@ -45,9 +45,10 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
   (float32 RMSNorm inputs, q/k/v before and after RoPE, attention output, MLP gate/up/act/product),
   without it that layer size x layers x models; the logits S x L x V x 4 and their gradient (in
   float32), the head's float32 weight copy (V x h x 4, with c < 4), and one chunk recomputed in
-  the backward: its tempered copy, log-softmax temporary and gradient (B x V x 4 each), with `entropy_coef > 0` the entropy's float32 log-probs and probabilities
-  (B x V x 4 each); the head counted at every position (the loss reads fewer: an upper bound);
-  the unsharded c gradients of the
+  the backward: its tempered copy, log-softmax temporary and gradient (B x V x 4 each), with
+  `entropy_coef > 0` the entropy's float32 log-probs and probabilities (B x V x 4 each); the
+  head counted at every position (the loss reads fewer: an upper bound); the unsharded c
+  gradients of the
   largest unit (the policy's root) before their reduce-scatter, and their float32 copy (the
   reduce-scatter runs in float32, rlver.parallel.sharding.full_precision_reductions: R x 4 when
   c < 4).
