@@ -191,3 +191,17 @@ def test_bf16_mixed_fsdp_keeps_buffers_and_reductions_float32(one_process_group,
     wrapped(input_ids=ids, labels=ids).loss.backward()
     inv_freq = [buffer.dtype for name, buffer in wrapped.named_buffers() if name.endswith("inv_freq")]
     assert inv_freq and set(inv_freq) == {torch.float32}
+
+
+def test_a_level_2_release_alone_marks_the_weights_for_reload(monkeypatch):
+    """Issue 54 (7): a release that drops the weights (level 2) must leave the reload pending
+    itself, not rely on a sync being asked before the next generation: a rollout that follows a
+    release with no sync in between (a step dropped by a stop, an evaluation) reloads first."""
+    engine = recording_engine(monkeypatch)
+    generate(engine)
+    engine.release_memory()  # level 2: the engine holds no weights now
+    assert engine._sync_pending
+    generate(engine)  # no sync_weights() in between
+    assert [event for event, _ in engine.llm.events] == [
+        "generate", "sleep 2", "wake weights", "reload", "reset prefix cache", "wake kv_cache", "generate",
+    ]  # fmt: skip

@@ -249,8 +249,11 @@ class VLLMEngine(RolloutEngine):
         weights must survive the sleep, so level 1.
         """
         if self.sleep_between_rollouts and not self._asleep:
-            self.llm.sleep(level=2 if self.sync_every_step else 1)
+            level = 2 if self.sync_every_step else 1
+            self.llm.sleep(level=level)
             self._asleep = {"weights", "kv_cache"}
+            if level == 2:  # the weights are gone: the next generation reloads them, whatever came before
+                self._sync_pending = True
 
     def _wake(self, tags: list[str] | None) -> None:
         """Wake `tags` (None: everything still asleep)."""

@@ -83,7 +83,9 @@ def training_shape(
     if dtype not in _BYTES:
         raise ValueError(f"--model.dtype ({dtype!r}) must be one of {', '.join(_BYTES)}")
     master = _BYTES[dtype]
-    low_precision = any(tag in str(precision) for tag in ("16", "auto"))
+    cpu = accelerator == "cpu"
+    # `auto` is float32 on a CPU and bf16-mixed on a GPU with bf16 (rlver.modeling.precision)
+    low_precision = "16" in str(precision) or (str(precision) == "auto" and not cpu)
     compute = 2 if low_precision else master
     if str(precision).endswith("-true"):
         master = compute  # Lightning converts the weights themselves
@@ -112,7 +114,9 @@ def training_shape(
         sleep_between_rollouts=bool(engine.get("sleep_between_rollouts", False))
         and accelerator != "cpu"
         and model.get("overlap") is None,
-        engine_bytes=4 if engine.get("dtype") == "float32" else 2,
+        engine_bytes=4
+        if engine.get("dtype") == "float32" or (engine.get("dtype", "auto") == "auto" and cpu)
+        else 2,
         engine_cpu_kv_gib=float(engine.get("cpu_kv_cache_gib", 2)),
         # overlapped with max_staleness k: k steps' rollouts generate at once
         rollout_sequences=batch_size * int(model.get("group_size", 1)) * overlap_depth(model.get("overlap")),

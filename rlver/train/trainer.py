@@ -43,9 +43,9 @@ class Trainer(L.Trainer):
     model summary table is left out (both: rlver.core.console's quiet defaults; --verbose shows it).
 
     Args:
-        precision: As Lightning's, plus "auto": bf16-mixed where the device computes bfloat16
-            natively (CUDA with bf16, CPUs with AVX512-BF16, AMX or ARM BF16), 32-true elsewhere.
-            One line at start says what was chosen and why.
+        precision: As Lightning's, plus "auto": bf16-mixed on a CUDA device with bf16, 32-true
+            elsewhere, every CPU included (bf16's learning depended on the CPU's bf16 kernels:
+            rlver.modeling.precision). One line at start says what was chosen and why.
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches,
         val_check_interval, overfit_batches: As Lightning's (an int counts batches, a float is
             a fraction), declared here with `int` first: Lightning's signature says
