@@ -92,8 +92,8 @@ def test_under_bf16_the_head_computes_float32_logits_and_halves_the_logprob_erro
         with float32_head(model):  # as load_policy and load_networks install it
             logits = output_head(model)(hidden)
         assert logits.dtype == torch.float32
-        weight = output_head(model).weight
-        torch.testing.assert_close(logits, hidden.float() @ weight.float().T)
+    weight = output_head(model).weight
+    torch.testing.assert_close(logits, hidden.float() @ weight.float().T)  # float32 maths, autocast off
     mask = batch.loss_mask.bool()
     exact = sampled_logprobs(model, batch)
     bf16_head = (sampled_logprobs(model, batch, precision="bf16-mixed", head_in_float32=False) - exact)[mask]

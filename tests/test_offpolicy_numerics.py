@@ -53,10 +53,9 @@ def test_the_engine_weight_scales_each_tokens_advantage_by_min_of_the_ratio_and_
     assert truncated_importance_weights(trainer, batch.engine_logprobs, mask, 2.0)[mask.bool()].tolist() == (
         pytest.approx(expected_weights[mask.bool()].tolist(), rel=1e-5)
     )
-    by_hand = _one_sgd_step(
-        copy.deepcopy(model), batch, old, advantages * expected_weights, PPOSettings(entropy_coef=0.0)
-    )
-    unweighted = _one_sgd_step(copy.deepcopy(model), batch, old, advantages, PPOSettings(entropy_coef=0.0))
+    off = PPOSettings(entropy_coef=0.0, engine_importance_cap=0.0)
+    by_hand = _one_sgd_step(copy.deepcopy(model), batch, old, advantages * expected_weights, off)
+    unweighted = _one_sgd_step(copy.deepcopy(model), batch, old, advantages, off)
     torch.testing.assert_close(weighted, by_hand, rtol=1e-4, atol=1e-6)
     assert (weighted - unweighted).abs().max() > 1e-4  # the cap is not a no-op here
 

@@ -8,6 +8,7 @@ from typing import Any
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 
 from rlver.core.plugins import get_registry, plain_config
+from rlver.core.seeding import run_seed
 from rlver.core.trajectory import summarize
 from rlver.data.datamodule import ProfileDataModule
 from rlver.evaluate.intervals import PairedChange, mean_interval, paired_by_key, per_user_means
@@ -127,7 +128,7 @@ def rollout_command(argv: Sequence[str]) -> int:
                 bar.refresh()
 
             results = runner.run(
-                batch, seed=runner.settings.seed + start, group_size=cfg.repeat, on_turn=progress
+                batch, seed=run_seed(runner.settings.seed) + start, group_size=cfg.repeat, on_turn=progress
             )
             bar.n = finished_before + len(batch)
             bar.refresh()

@@ -33,6 +33,7 @@ from rlver.core.interfaces import (
     UserSession,
     UserSimulator,
 )
+from rlver.core.seeding import run_seed
 from rlver.core.trajectory import PolicyTurn, TokenSequence, Trajectory, pack_sequences, summarize
 from rlver.core.types import Profile, UserTurn
 from rlver.modeling.models import Policy
@@ -201,7 +202,7 @@ class RolloutRunner:
         """
         if group_size < 1 or len(profiles) % group_size:
             raise ValueError(f"{len(profiles)} profiles do not split into groups of {group_size}")
-        base_seed = self.settings.seed if seed is None else seed
+        base_seed = run_seed(self.settings.seed) if seed is None else seed
         self.timings = {"generate": 0.0, "simulator": 0.0}
         seeds = [dialogue_seed(base_seed, profile.id, i) for i, profile in enumerate(profiles)]
         leaders = range(0, len(profiles), group_size)
@@ -247,7 +248,7 @@ class RolloutRunner:
             self.settings.max_new_tokens,
             self.settings.temperature,
             self.settings.top_p,
-            seed=self.settings.seed,
+            seed=run_seed(self.settings.seed),
             prompt_seeds=tuple(turn_seed(d.call_seed, d.trajectory.num_turns, d.index) for d in batch),
         )
         started = time.perf_counter()

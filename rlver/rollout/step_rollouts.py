@@ -13,6 +13,7 @@ from typing import Any
 
 from rlver.checkpoint.stopping import run_unless_stopped
 from rlver.core.plugins import get_registry
+from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
 from rlver.core.types import Profile
 from rlver.modeling.networks import weights_for_generation
@@ -27,11 +28,11 @@ class StepRollouts(OverlapHooks):
         batch = list(batch)
         if self.curriculum is not None:
             offset = self.global_rank * len(batch)
-            batch = self.curriculum.assign(batch, step, self.rollout_settings.seed, offset=offset)
+            batch = self.curriculum.assign(batch, step, run_seed(self.rollout_settings.seed), offset=offset)
         return [profile for profile in batch for _ in range(self.hparams.group_size)]
 
     def _rollout_seed(self, step: int) -> int:
-        return self.rollout_settings.seed + 1_000_003 * step + 7919 * self.global_rank
+        return run_seed(self.rollout_settings.seed) + 1_000_003 * step + 7919 * self.global_rank
 
     def _roll_out(
         self, dialogues: list[Profile], step: int, seconds: dict

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlver.core.plugins import plain_config
+from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
 from rlver.evaluate.judging import MISSING_COLUMN, check_judge_spec, judge_test_records, judged_path
 from rlver.evaluate.score import score_records
@@ -140,7 +141,7 @@ class EvaluationHooks:
             self.runner.settings = previous
 
     def _evaluate(self, batch: Sequence[Any], batch_idx: int, split: str) -> None:
-        seed = self.rollout_settings.seed + 7919 * self.global_rank + batch_idx
+        seed = run_seed(self.rollout_settings.seed) + 7919 * self.global_rank + batch_idx
         trajectories = self.evaluation_rollouts(list(batch), seed=seed)
         self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
         if split == "test":
