@@ -125,7 +125,7 @@ class HangWatchdog(Callback):
         # Held by a phase change and by the emergency save from its phase check to the write's
         # end: a slow but live main thread cannot begin the update (or end the step) while
         # the watchdog dumps the state it is about to change.
-        self.phase_lock = threading.Lock()
+        self.phase_lock = threading.RLock()  # re-entrant: a hook the dump calls may mark a phase
         self.clock = ProgressClock(self.timeout_seconds)
         self.trainer: Any = None
         self.stopped = threading.Event()
