@@ -1,6 +1,7 @@
 """The multi-turn loop with the real SmolLM2: exact tokens, masks, termination, transcripts."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from rlver_plugins.formats import NoThinkFormat, ThinkFormat
@@ -249,3 +250,41 @@ def test_settings_are_validated():
         RolloutSettings(temperature=-1)
     with pytest.raises(ValueError, match="max_context_tokens"):
         RolloutSettings(max_new_tokens=100, max_context_tokens=100)
+
+
+@pytest.mark.slow
+def test_a_reply_cut_at_the_token_limit_ends_at_its_last_whole_sentence(tokenizer):
+    from rlver.rollout.runner import sentence_end
+
+    def cut(text):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        count = sentence_end(tokenizer, ids)
+        return None if count is None else tokenizer.decode(ids[:count])
+
+    assert cut("I am sorry to hear that. It sounds hard, and I") == "I am sorry to hear that."
+    assert cut('Really? "Yes." And then') == 'Really? "Yes."'
+    assert cut("我很难过。你好吗") == "我很难过。"
+    assert cut("That is 3.5 times more than") is None  # a decimal point ends no sentence
+    assert cut("No end here at all") is None
+
+
+@pytest.mark.slow
+def test_end_at_sentence_trims_the_ids_and_logprobs_it_trains_on(policy):
+    class RunOnEngine(RolloutEngine):
+        def generate(self, prompts, sampling):
+            ids = policy.tokenizer("I hear you. That must be so", add_special_tokens=False)["input_ids"]
+            return [
+                Generation(tuple(ids), tuple(-0.1 * (i + 1) for i in range(len(ids))), "length")
+                for _ in prompts
+            ]
+
+    settings = RolloutSettings(max_turns=1, max_new_tokens=8, end_at_sentence=True)
+    runner = RolloutRunner(policy, RunOnEngine(), ScriptedSimulator(), NoThinkFormat(), settings)
+    (trajectory,) = runner.run([make_profile("cut")])
+    turn = trajectory.policy_turns[0]
+    assert turn.finish_reason == "sentence" and turn.completion == "I hear you."
+    assert turn.logprobs == [-0.1 * (i + 1) for i in range(len(turn.response_ids))]  # the kept prefix's own
+    whole = RolloutRunner(
+        policy, RunOnEngine(), ScriptedSimulator(), NoThinkFormat(), replace(settings, end_at_sentence=False)
+    )
+    assert whole.run([make_profile("cut")])[0].policy_turns[0].finish_reason == "length"
