@@ -138,6 +138,7 @@ def run_config(
     data["train_files"] = ["builtin:en_train"]
     data["val_files"] = data["test_files"] = ["builtin:en_test"]
     # PPO: 2 dialogues (4 sequences, 2 micro-batches); GRPO: one group of 4.
+    data.pop("profiles_per_step", None)  # one GPU: the step's profiles, not the paper's 32
     data["batch_size"] = 2 if algorithm == "ppo" else 1
     return config
 

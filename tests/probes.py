@@ -167,3 +167,48 @@ class Chaos(L.Callback):
                 self.die()
 
             pl_module._append_transcripts = append_torn_then_die
+
+
+class SignalOneRank(L.Callback):
+    """Sends SIGTERM to one rank's own process during one step's rollout, as a preemption that
+    reached one node first does.
+
+    Args:
+        rank: The global rank that gets the signal.
+        step: The `global_step` at whose rollout it arrives.
+        at: "turn 0": before the rollout's first turn (the rank stops before it generates);
+            "mid-rollout": after the rank's first generation of the step.
+    """
+
+    def __init__(self, rank: int, step: int, at: str) -> None:
+        if at not in ("turn 0", "mid-rollout"):
+            raise ValueError(f"SignalOneRank at={at!r}")
+        self.rank, self.step, self.at = rank, step, at
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != self.rank:
+            return
+        runner = pl_module.runner
+
+        def now() -> bool:
+            return trainer.global_step == self.step and trainer.training
+
+        if self.at == "turn 0":
+            run = runner.run
+
+            def signal_then_run(*args, **kwargs):
+                if now():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return run(*args, **kwargs)
+
+            runner.run = signal_then_run
+        else:
+            generate = runner.engine.generate
+
+            def generate_then_signal(*args, **kwargs):
+                generated = generate(*args, **kwargs)
+                if now():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return generated
+
+            runner.engine.generate = generate_then_signal

@@ -15,6 +15,7 @@ from rlver_plugins.hf_engine import HFEngine
 
 from rlver.cli import parse_recipe
 from rlver.core.emotion import DIFFICULTIES, apply_change, profile_difficulty, resolve_difficulty, termination
+from rlver.core.interfaces import RolloutEngine
 from rlver.core.plugins import plain_config
 from rlver.core.types import Profile
 from rlver.data.profiles import ProfileError, load_profiles
@@ -284,8 +285,15 @@ class _StopAfterRollout(Exception):
     pass
 
 
+class _UnusedEngine(RolloutEngine):
+    def generate(self, prompts, sampling):
+        raise AssertionError("the recording runner never generates")
+
+
 class _RecordingRunner:
     """Stands in for the RolloutRunner: records the dialogues training_step asks for, then stops."""
+
+    engine = _UnusedEngine()  # released after the rollout, whatever it did
 
     def run(self, dialogues, seed, **options):  # group_size, should_stop, ...: not needed here
         self.dialogues = list(dialogues)

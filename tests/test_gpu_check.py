@@ -43,6 +43,7 @@ ALLOWED = {
     "data.val_files",
     "data.test_files",
     "data.batch_size",
+    "data.profiles_per_step",
 }
 
 

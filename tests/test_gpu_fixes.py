@@ -70,12 +70,15 @@ def recording_engine(monkeypatch, sleep_between_rollouts: bool = True):
 
 
 def generate(engine):
+    """A rollout's engine calls, as RolloutRunner.run makes them: the reload point every rank
+    reaches, then the generation."""
+    engine.prepare_for_rollout()
     engine.generate([[1, 2]], SamplingSettings(max_new_tokens=1))
 
 
 def test_a_step_syncs_into_a_sleeping_engine_and_checkpoints_with_it_asleep(monkeypatch):
     """rollout -> release -> update -> sync -> checkpoint -> next rollout: the sync asked for
-    after the update waits for the next generation, so the checkpoint finds the engine holding
+    after the update waits for the next rollout's start, so the checkpoint finds the engine holding
     nothing, and the reload runs with the weights awake alone (no KV cache) before the cache wakes."""
     engine = recording_engine(monkeypatch)
     llm = engine.llm
@@ -132,7 +135,7 @@ def test_an_overlapped_run_gets_an_engine_that_never_sleeps():
         (0, None, True, 0),  # a fresh start: the engine read the same files
         (0, "runs/x/last.ckpt", True, 1),  # restored weights
         (12, None, True, 1),  # a step was trained in this process (e.g. fit called twice)
-        (0, None, False, 1),  # an engine that does not say it read the policy's files
+        (0, None, False, 1),  # an engine that did not read the policy's files (the interface's default)
     ],
 )
 def test_train_start_syncs_only_weights_the_engine_does_not_hold(
@@ -141,9 +144,9 @@ def test_train_start_syncs_only_weights_the_engine_does_not_hold(
     from rlver.train.module import RLVERModule
 
     calls = []
-    engine = SimpleNamespace(sync_weights=lambda: calls.append("sync"))
-    if engine_has_policy_weights:
-        engine.starts_with_policy_weights = True
+    engine = SimpleNamespace(
+        sync_weights=lambda: calls.append("sync"), starts_with_policy_weights=engine_has_policy_weights
+    )
     module = SimpleNamespace(
         global_step=global_step,
         trainer=SimpleNamespace(ckpt_path=ckpt_path),
@@ -205,3 +208,52 @@ def test_a_level_2_release_alone_marks_the_weights_for_reload(monkeypatch):
     assert [event for event, _ in engine.llm.events] == [
         "generate", "sleep 2", "wake weights", "reload", "reset prefix cache", "wake kv_cache", "generate",
     ]  # fmt: skip
+
+
+def test_a_generation_before_the_pending_reload_fails_loudly(monkeypatch):
+    """Issue 54 (1): the reload gathers FSDP shards, a collective. Done lazily inside `generate`,
+    it ran on the ranks that generate and not on one whose dialogues all ended at the opening or
+    that stopped at turn 0: the job hung. It runs in `prepare_for_rollout`, which every rank
+    reaches (RolloutRunner.run calls it first); a generation without it is a bug, said at once."""
+    engine = recording_engine(monkeypatch)
+    engine.release_memory()
+    with pytest.raises(RuntimeError, match="prepare_for_rollout"):
+        engine.generate([[1, 2]], SamplingSettings(max_new_tokens=1))
+    assert [event for event, _ in engine.llm.events] == ["sleep 2"]  # nothing reloaded behind its back
+    engine.prepare_for_rollout()
+    assert [event for event, _ in engine.llm.events][1:] == [
+        "wake weights", "reload", "reset prefix cache", "wake kv_cache",
+    ]  # fmt: skip
+    engine.prepare_for_rollout()  # nothing pending: no second reload
+    assert engine.weights_version == 1
+    engine.release_memory()  # a stop at turn 0: everything the reload woke goes back to sleep
+    assert engine.llm.held == 0
+
+
+def test_the_runner_reloads_before_any_dialogue_can_end_or_stop():
+    """A rank that stops at its first turn, or whose dialogues all end at the user's opening,
+    still takes the reload: RolloutRunner.run asks the engine first, before openings or turns."""
+    from rlver.core.interfaces import StopRequested
+    from rlver.core.types import Profile
+    from rlver.rollout.runner import RolloutRunner, RolloutSettings
+
+    calls = []
+
+    class Engine:
+        def prepare_for_rollout(self):
+            calls.append("prepare")
+
+        def generate(self, prompts, sampling):
+            calls.append("generate")
+            raise AssertionError("never reached: the stop comes first")
+
+    class Simulator:
+        def __getattr__(self, name):
+            calls.append(f"simulator.{name}")
+            raise StopRequested  # the first thing the rollout asks of anyone else ends it
+
+    runner = object.__new__(RolloutRunner)
+    runner.engine, runner.simulator, runner.settings = Engine(), Simulator(), RolloutSettings()
+    with pytest.raises(StopRequested):
+        runner.run([Profile("p", "a user", "a scene", "the user", ("the user",), "listen", "hello")])
+    assert calls[0] == "prepare"

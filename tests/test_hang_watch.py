@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlver.checkpoint.stopping import run_unless_stopped
-from rlver.parallel.hang_watch import HangWatchdog, ProgressClock
+from rlver.parallel.hang_watch import HangWatchdog, ProgressClock, turn_progress
 from rlver.train.trainer import Trainer
 from tests.test_rank_watch import start_two_ranks
 
@@ -235,3 +235,83 @@ def test_the_emergency_save_keeps_a_live_main_thread_out_of_the_update_until_wri
     assert events == ["state dumped", str(tmp_path / "last.ckpt"), "update begins"]
     assert (tmp_path / "last.ckpt").is_file()
     assert watch.phase == "training step 3 (update)"
+
+
+# --------------------------------------------------------------------------- what healthy looks like
+def test_the_default_timeout_outlasts_the_simulators_worst_request():
+    """Issue 54 (3): a sage request may retry for 12 min (5 x 120 s + 4 x 30 s); a dead endpoint
+    must stop the run the clean way (the simulator gives up, last.ckpt, `rlver fit` says why),
+    not by the watchdog, which under FSDP writes no checkpoint. On a fake clock: an outage as long
+    as the simulator's budget passes; the watchdog fires only once that budget is exceeded."""
+    from rlver_plugins.sage_user.simulator import SageUserSimulator
+
+    user = SageUserSimulator(base_url="http://127.0.0.1:9/v1", model="m", timeout=120)  # ppo_think's
+    worst = user.worst_request_seconds()
+    assert worst > HangWatchdog.DEFAULT_MINUTES * 60  # the old fixed default ended such runs
+    module = SimpleNamespace(expected_quiet_seconds=lambda: worst)
+    watchdog = HangWatchdog()
+    watchdog.fit_module(module)
+    clock = watchdog.clock
+    clock.arm(0.0)
+    clock.check(0.0)  # the last turn's mark, seen
+    assert clock.check(worst + 1.0) is None  # the retries' whole budget, and a turn's work after
+    assert clock.check(worst + HangWatchdog.MARGIN_SECONDS + 1.0) is not None
+    # Set by hand, it stays as set; without a simulator bound, the default is 10 minutes.
+    assert HangWatchdog(timeout_minutes=5).timeout_seconds == 300
+    mine = HangWatchdog(timeout_minutes=5)
+    mine.fit_module(module)
+    assert mine.timeout_seconds == 300
+    unbounded = HangWatchdog()
+    unbounded.fit_module(SimpleNamespace(expected_quiet_seconds=lambda: None))
+    assert unbounded.timeout_seconds == 600
+
+
+def test_the_rlver_module_reports_its_simulators_worst_request_as_its_quiet_time():
+    from rlver.train.module import RLVERModule
+
+    sage = {"name": "sage", "base_url": "http://127.0.0.1:9/v1", "model": "m", "timeout": 60}
+    module = RLVERModule(simulator=sage)
+    assert module.expected_quiet_seconds() == module.simulator.worst_request_seconds() > 0
+    assert RLVERModule(simulator={"name": "embedded", "judge": "rubric"}).expected_quiet_seconds() is None
+
+
+def test_a_checkpoint_write_has_its_own_allowance_and_ends_with_the_next_phase():
+    """Issue 54 (3): ppo_think writes ~2 x 176 GB at a checkpoint step, with no turn or batch."""
+    watchdog = HangWatchdog(timeout_minutes=10, checkpoint_minutes=30)
+    trainer = SimpleNamespace(
+        callbacks=[watchdog], world_size=1, global_step=100, state=SimpleNamespace(fn="fit")
+    )
+    watchdog.on_train_batch_end(trainer, None, None, None, 99)
+    watchdog.on_save_checkpoint(trainer, None, {})
+    assert watchdog.phase == "writing a checkpoint at step 100"
+    start = watchdog.clock.last_progress
+    watchdog.clock.check(start)  # the write's start, seen
+    assert watchdog.clock.check(start + 30 * 60) is None  # past the timeout, within the write's allowance
+    assert watchdog.clock.check(start + 40 * 60 + 1) is not None
+    watchdog.on_train_batch_start(trainer, None, None, 100)  # the next step: the usual timeout again
+    assert watchdog.clock.extra_seconds == 0
+
+
+def test_validation_and_overlapped_turns_are_progress(tiny_model_dir):
+    """Issue 54 (3): validation rollouts and the overlapped mode's rollouts ahead take no
+    `should_stop`, so their turns marked nothing: a long evaluation against a slow user ended a
+    healthy run. Both runners now get an `on_turn` that marks each turn."""
+    from rlver.data.profiles import load_profile_sets
+    from rlver.rollout.overlap import _background_run
+    from rlver.train.module import RLVERModule
+
+    watchdog = HangWatchdog()
+    module = RLVERModule(policy=str(tiny_model_dir), simulator={"name": "embedded", "judge": "rubric"})
+    module.rollout_settings = module.rollout_settings.__class__(max_turns=2, max_new_tokens=4)
+    module.setup("validate")
+    module.runner.settings = module.rollout_settings
+    module._trainer = SimpleNamespace(callbacks=[watchdog])
+    profiles = load_profile_sets(["builtin:en_test"])[:2]
+    before = watchdog.clock.marks
+    trajectories = module.evaluation_rollouts(profiles, seed=0)
+    turns = max(t.num_turns for t in trajectories)
+    assert watchdog.clock.marks - before >= turns >= 1
+    before = watchdog.clock.marks
+    run = _background_run(module.runner, profiles, 0, 1, turn_progress(module._trainer))
+    run({})
+    assert watchdog.clock.marks > before

@@ -41,6 +41,7 @@ PAPER_RECIPES = [
 TWIN_KEYS = {  # what a twin may change; everything else in the recipe stays as it is
     "trainer": {"accelerator", "devices", "num_nodes", "strategy", "max_steps", "callbacks", "precision"},
     "model": {"policy", "simulator", "rollout", "engine"},
+    "data": {"profiles_per_step"},  # the paper's share of a rank (one profile) on the twin's ranks
 }
 API_KEY = "sk-twin-test-not-a-secret"
 SAGE_PROTOCOL = REPO.parent / "shared" / "sage-protocol"
@@ -67,6 +68,8 @@ def twin_config(
     config = json.loads(json.dumps(original))
     trainer, model = config["trainer"], config["model"]
     trainer.update(accelerator="cpu", devices=devices, num_nodes=1, max_steps=steps)
+    if "profiles_per_step" in config.get("data", {}):
+        config["data"]["profiles_per_step"] = devices  # 32 on 32 GPUs: one profile a rank
     if float32_compute:
         trainer["precision"] = "32-true"
     strategy = trainer.get("strategy")
@@ -106,8 +109,8 @@ def twin_config(
         original.setdefault(section, {})
         changed = {
             k
-            for k in {*original[section], *config[section]}
-            if original[section].get(k) != config[section].get(k)
+            for k in {*original[section], *config.get(section, {})}
+            if original[section].get(k) != config.get(section, {}).get(k)
         }
         assert changed <= allowed, changed - allowed
     assert {k: v for k, v in config.items() if k not in TWIN_KEYS} == {

@@ -74,7 +74,8 @@ def test_paper_recipe_twin_trains_on_two_processes(recipe, tmp_path, tiny_model_
         .splitlines()
     ]
     original = yaml.safe_load((REPO / "recipes" / f"{recipe}.yaml").read_text())
-    group, batch = original["model"]["group_size"], original["data"]["batch_size"]
+    group, data = original["model"]["group_size"], original["data"]
+    batch = 1 if "profiles_per_step" in data else data["batch_size"]  # a twin: one profile a rank
     profiles = len((tmp_path / "data" / "rlver" / "train_profile.jsonl").read_text().splitlines())
     assert len(transcripts) == 2 * 2 * group * min(batch, profiles // 2)
     checkpoint = run_dir / "checkpoints" / "last.ckpt"

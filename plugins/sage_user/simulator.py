@@ -206,6 +206,9 @@ class SageUserSimulator(UserSimulator):
     def worst_case_seconds(self) -> float | None:
         return self.client.settings.seconds_until_given_up()
 
+    def worst_request_seconds(self) -> float | None:
+        return self.client.settings.worst_request_seconds()
+
     def __repr__(self) -> str:  # never shows the key: it lives only in the HTTP client's headers
         settings = self.client.settings
         return f"SageUserSimulator(base_url={settings.base_url!r}, model={settings.model!r})"

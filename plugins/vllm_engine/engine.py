@@ -154,14 +154,19 @@ class VLLMEngine(RolloutEngine):
         return self.on_engine_thread(self._generate, prompts, sampling)
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if getattr(self, "_sync_pending", False):
-            self._reload_weights()  # the weights wake alone, take the policy's, then the KV cache
+            # Reloading here would gather FSDP shards on this rank alone: a peer with nothing to
+            # generate never joins, and the job hangs. The runner reloads at a point all reach.
+            raise RuntimeError(
+                "the vllm engine was asked to generate before its pending weight reload: call "
+                "prepare_for_rollout() first, on every rank (RolloutRunner.run does)"
+            )
         self._wake(None)
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
         greedy = sampling.temperature == 0
         # One seed per prompt, so a prompt's sample does not depend on its neighbours in the batch.
         seeds = sampling.prompt_seeds or [sampling.seed * 1_000_003 + i for i in range(len(prompts))]
@@ -204,10 +209,11 @@ class VLLMEngine(RolloutEngine):
 
         An engine that sleeps between rollouts never takes a sync with its KV cache awake: asked
         while awake (train, validation or test start, just after generating) it sleeps first;
-        asleep, the sync waits for the next generation, so that whatever runs in between (the
-        checkpoint after a step) finds the engine asleep. The policy's weights cannot change in
-        between: the update is over, and an overlapped run, whose update runs beside a rollout,
-        never sleeps (rlver.rollout.overlap.engine_for_overlap).
+        asleep, the sync waits for the next rollout's `prepare_for_rollout` (every rank reaches
+        it), so that whatever runs in between (the checkpoint after a step) finds the engine
+        asleep. The policy's weights cannot change in between: the update is over, and an
+        overlapped run, whose update runs beside a rollout, never sleeps
+        (rlver.rollout.overlap.engine_for_overlap).
         """
         if not self.sync_every_step:
             return
@@ -218,6 +224,17 @@ class VLLMEngine(RolloutEngine):
             self._sync_pending = True
             return
         self._reload_weights()
+        self._wake(None)
+
+    def prepare_for_rollout(self) -> None:
+        """A reload deferred while asleep happens here, where every rank is (it gathers shards);
+        then the KV cache wakes. The engine is wholly awake or wholly asleep between calls, so
+        that the release after the rollout (the stop's too) frees everything."""
+        self.on_engine_thread(self._prepare_for_rollout)
+
+    def _prepare_for_rollout(self) -> None:
+        if getattr(self, "_sync_pending", False):
+            self._reload_weights()
         self._wake(None)
 
     def _reload_weights(self) -> None:

@@ -127,6 +127,12 @@ class UserSimulator(ABC):
         stop with `last.ckpt`, not in a collective timing out."""
         return None
 
+    def worst_request_seconds(self) -> float | None:
+        """The longest one of its requests can take, every retry included: the longest a healthy
+        rollout goes without finishing a turn. HangWatchdog's default timeout covers it. None: no
+        endpoint (or no bound)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release connections and threads; the simulator is not used afterwards."""
 
@@ -200,6 +206,9 @@ class RolloutEngine(ABC):
     """
 
     samples_from_training_module: bool = False
+    # True when a fresh engine already holds the policy's weights (it read the policy's own
+    # files): training then skips the first sync, which would only hold memory.
+    starts_with_policy_weights: bool = False
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:
@@ -209,8 +218,22 @@ class RolloutEngine(ABC):
     def sync_weights(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Make the engine sample from the policy's current weights.
 
-        Engines that share the training module (hf) have nothing to do.
+        Engines that share the training module (hf) have nothing to do. It may defer the
+        work (an engine asleep keeps it for `prepare_for_rollout`), but never into `generate`.
         """
+
+    def prepare_for_rollout(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Get ready to generate; every rank calls it at the start of every rollout (training,
+        validation, test), before any dialogue begins, whatever its dialogues will do.
+
+        The place for work that is a collective across ranks, such as a deferred weight reload
+        that gathers FSDP shards: a rank whose dialogues end before the policy speaks, or that
+        stops at the first turn, never calls `generate`, and a collective there would hang its peers.
+        """
+
+    def release_memory(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Give the device memory the engine holds back to training until the next rollout
+        (called after every rollout, the ones a stop cuts short included); local to the rank."""
 
 
 # --------------------------------------------------------------------------- rewards and advantages

@@ -101,7 +101,10 @@ class ProfileDataModule(L.LightningDataModule):
         train_files: Profile files for training (paths or `builtin:<set>`).
         val_files: Profile files for validation.
         test_files: Profile files for testing.
-        batch_size: Dialogues (profiles) per batch; GRPO repeats each profile within the step.
+        batch_size: Profiles per batch on each rank; GRPO repeats each profile within the step.
+        profiles_per_step: Training profiles per step across all ranks, split evenly over them
+            (it must divide by the world size); it wins over `batch_size`. The paper's recipes
+            set 32, so one node of 8 GPUs trains on 4 a GPU and 4 nodes on 1, the same step.
         shuffle: Shuffle training profiles each epoch (the order depends only on seed and epoch).
         limit: Use only the first N profiles of each split (0: all).
         train_limit: Train on only the first N training profiles (0: all), after `limit`. With
@@ -122,10 +125,13 @@ class ProfileDataModule(L.LightningDataModule):
         limit: int = 0,
         train_limit: int = 0,
         seed: int | None = None,
+        profiles_per_step: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"--data.batch_size ({batch_size}) must be >= 1")
+        if profiles_per_step is not None and profiles_per_step < 1:
+            raise ValueError(f"--data.profiles_per_step ({profiles_per_step}) must be >= 1")
         if limit < 0:
             raise ValueError(f"--data.limit ({limit}) must be >= 0")
         if train_limit < 0:
@@ -136,6 +142,7 @@ class ProfileDataModule(L.LightningDataModule):
             "test": list(test_files if test_files is not None else ["builtin:en_test"]),
         }
         self.batch_size = batch_size
+        self.profiles_per_step = profiles_per_step
         self.shuffle = shuffle
         self.limit = limit
         self.train_limit = train_limit
@@ -155,6 +162,9 @@ class ProfileDataModule(L.LightningDataModule):
         return self._splits[split]
 
     def setup(self, stage: str | None = None) -> None:
+        if self.profiles_per_step is not None:
+            world = self.trainer.world_size if self.trainer is not None else 1
+            self.batch_size = profiles_per_rank(self.profiles_per_step, world)
         wanted = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"]}.get(
             stage or "", list(self.files)
         )
@@ -197,3 +207,13 @@ class ProfileDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader[Profile]:
         return self._loader("test", False)
+
+
+def profiles_per_rank(profiles_per_step: int, world_size: int) -> int:
+    """Each rank's share of a step's profiles; a share that is not whole is refused."""
+    if profiles_per_step % world_size:
+        raise ValueError(
+            f"--data.profiles_per_step ({profiles_per_step}) must divide by the world size "
+            f"({world_size}: --trainer.devices x --trainer.num_nodes)"
+        )
+    return profiles_per_step // world_size

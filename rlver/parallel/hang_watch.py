@@ -6,12 +6,15 @@ then sit in their next collective for the process group's timeout, which rlver r
 the simulator's retries (106 min with the paper's endpoints), holding every GPU of the job.
 
 `HangWatchdog`, a callback every rlver Trainer gets, ends the job when no rank has made progress
-for `timeout_minutes` while the run is in a phase that should progress (a training step, the
-time between steps, a validation batch during training). Progress is a batch starting or ending, the end
-of a step's rollouts, and every rollout turn (`rlver.checkpoint.stopping` marks those), so a
-slow but answering simulator never trips it. Progress is counted job-wide, in a counter in the
-process group's store: a rank waiting in a collective for a peer whose dialogues still advance is
-not hung.
+for `timeout_minutes` while the run is in a phase that should progress (a training step, the time
+between steps, a validation batch during training, a checkpoint write). Progress is a batch
+starting or ending, the end of a step's rollouts, every rollout turn (training turns through
+`rlver.checkpoint.stopping`; validation, test and the overlapped mode's turns ahead through
+`turn_progress`) and a checkpoint write beginning, so a slow but answering simulator never trips
+it. A checkpoint write gets `checkpoint_minutes` on top of the timeout, and the default timeout
+covers the simulator's worst request time, retries included. Progress is counted job-wide, in a
+counter in the process group's store: a rank waiting in a collective for a peer whose dialogues
+still advance is not hung.
 
 On expiry each rank, from its watchdog thread (its main thread may be blocked for good):
 1. writes one line naming the phase and how long nothing progressed;
@@ -67,6 +70,7 @@ class ProgressClock:
         self.published = 0  # of those, the ones the store has heard of
         self.job_marks = -1  # the job's counter as last read
         self.last_progress: float | None = None  # None: disarmed
+        self.extra_seconds = 0.0  # the current phase's allowance beyond the timeout (a checkpoint write)
 
     def mark(self) -> None:
         self.marks += 1  # one writer at a time in practice; a lost increment is only a missed mark
@@ -92,7 +96,7 @@ class ProgressClock:
             self.last_progress = now
             return None
         stalled = now - self.last_progress
-        return stalled if stalled >= self.timeout_seconds else None
+        return stalled if stalled >= self.timeout_seconds + self.extra_seconds else None
 
 
 class HangWatchdog(Callback):
@@ -103,23 +107,39 @@ class HangWatchdog(Callback):
 
     Args:
         timeout_minutes: How long the job may go without progress in a training step, between
-            steps or in a validation batch during training. The default, 10, is a third of
-            torch's default collective timeout and below one simulator request's whole retry
-            budget with the sage client's defaults (12 min), so a dead endpoint ends the job at
-            the first turn it does not answer; raise it if one PPO update, one checkpoint write
-            or one validation batch of your run takes longer. 0 turns the watchdog off.
+            steps or in a validation batch during training. None (the default): 10 minutes, or
+            the module's longest healthy silence plus 2 minutes where that is longer; for an
+            RLVERModule, the simulator's worst request time with every retry (a sage endpoint's
+            defaults: 12 min), so that a dead endpoint stops the run the clean way first (the
+            simulator gives up, `last.ckpt` is written, `rlver fit` says why). Raise it if one
+            PPO update or one validation batch of your run takes longer. 0 turns the watchdog off.
+        checkpoint_minutes: Allowed on top of the timeout while a checkpoint is written (a
+            sharded 7B PPO checkpoint is ~176 GB, written twice at a step with `save_last`).
         checkpoint_seconds: How long the `last.ckpt` write on expiry may take before the
             process ends without it.
         poll_seconds: How often the watchdog looks (at most a tenth of the timeout).
     """
 
+    DEFAULT_MINUTES = 10.0
+    MARGIN_SECONDS = 120.0  # after the longest healthy silence: the turn's own work, two polls
+
     def __init__(
-        self, timeout_minutes: float = 10.0, checkpoint_seconds: float = 300.0, poll_seconds: float = 10.0
+        self,
+        timeout_minutes: float | None = None,
+        checkpoint_minutes: float = 30.0,
+        checkpoint_seconds: float = 300.0,
+        poll_seconds: float = 10.0,
     ) -> None:
-        if timeout_minutes < 0:
+        if timeout_minutes is not None and timeout_minutes < 0:
             raise ValueError(f"HangWatchdog timeout_minutes ({timeout_minutes}) must be >= 0 (0: off)")
-        self.timeout_seconds = timeout_minutes * 60.0
+        if checkpoint_minutes < 0:
+            raise ValueError(f"HangWatchdog checkpoint_minutes ({checkpoint_minutes}) must be >= 0")
+        self.derived = timeout_minutes is None  # set from the module at setup
+        minutes = self.DEFAULT_MINUTES if timeout_minutes is None else timeout_minutes
+        self.timeout_seconds = minutes * 60.0
+        self.checkpoint_allowance = checkpoint_minutes * 60.0
         self.checkpoint_seconds = checkpoint_seconds
+        self.requested_poll = poll_seconds
         self.poll_seconds = max(0.05, min(poll_seconds, self.timeout_seconds / 10))
         self.phase = "starting"
         # Held by a phase change and by the emergency save from its phase check to the write's
@@ -132,6 +152,17 @@ class HangWatchdog(Callback):
         self.thread: threading.Thread | None = None
         self.expire: Callable[[float], None] = self._end_job
 
+    def fit_module(self, pl_module: Any) -> None:
+        """A derived timeout covers the module's longest healthy silence (`expected_quiet_seconds`)."""
+        if not self.derived:
+            return
+        quiet = getattr(pl_module, "expected_quiet_seconds", lambda: None)()
+        seconds = self.DEFAULT_MINUTES * 60.0
+        if quiet is not None:
+            seconds = max(seconds, quiet + self.MARGIN_SECONDS)
+        self.timeout_seconds = self.clock.timeout_seconds = seconds
+        self.poll_seconds = max(0.05, min(self.requested_poll, seconds / 10))
+
     # ------------------------------------------------------------------ progress marks
     def progress(self, phase: str | None = None) -> None:
         """Mark progress (any thread); with `phase`, also say what this rank is doing now."""
@@ -140,9 +171,17 @@ class HangWatchdog(Callback):
                 self.phase = phase
         self.clock.mark()
 
-    def _enter(self, phase: str) -> None:
-        self.progress(phase)
+    def _enter(self, phase: str, allowance: float = 0.0) -> None:
+        with self.phase_lock:
+            self.progress(phase)
+            self.clock.extra_seconds = allowance
         self.clock.arm(time.monotonic())
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
+        # Every rank dumps (and, sharded, writes): the write is a phase with its own allowance,
+        # which ends when the next phase begins.
+        if in_fit(trainer) and self.clock.last_progress is not None:
+            self._enter(f"writing a checkpoint at step {trainer.global_step}", self.checkpoint_allowance)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         self._enter(f"training step {trainer.global_step + 1} ({ROLLOUTS})")
@@ -176,6 +215,7 @@ class HangWatchdog(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.timeout_seconds == 0 or self.thread is not None:
             return
+        self.fit_module(pl_module)
         self.trainer = trainer
         self.clock.store = default_store() if trainer.world_size > 1 else None
         self.stopped.clear()
@@ -298,3 +338,14 @@ def hang_watchdog(trainer: Any) -> HangWatchdog | None:
     """The trainer's HangWatchdog, if it has one."""
     callbacks = getattr(trainer, "callbacks", None) or []
     return next((c for c in callbacks if isinstance(c, HangWatchdog)), None)
+
+
+def turn_progress(trainer: Any) -> Callable[[int, int], None] | None:
+    """An `on_turn` for `RolloutRunner.run` that marks every turn as progress (None: no watchdog).
+
+    For rollouts that take no `should_stop` (validation, test, the overlapped mode's rollouts
+    ahead, on their own thread): a long evaluation with a slow user is not a hang."""
+    watchdog = hang_watchdog(trainer)
+    if watchdog is None:
+        return None
+    return lambda turn, active: watchdog.progress()

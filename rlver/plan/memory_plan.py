@@ -74,8 +74,8 @@ T is what torch reports as the GPU's total memory: 79.3 GiB on an "80 GB" card (
 default off a GPU), not 80.
 
 Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 79.3 GiB; tests/test_plan.py
-derives every figure): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; engine awake 0.8 x
-79.3 = 63.4 (its KV cache must hold one 32,768-token sequence: 1.75 GiB); rollout 71.3; scoring
+derives every figure): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; engine awake 0.55 x
+79.3 = 43.6 (its KV cache must hold one 32,768-token sequence: 1.75 GiB); rollout 51.5; scoring
 26.7 (logits 2 x 8192 x 152064 x 4 B + the head's float32 copy 152064 x 3584 x 4 B + 1024 x
 152064 x 8 B = 12.5); update 51.9 (logits, their gradient, the head copy and one chunk 23.5,
 checkpointed activations 9.6, gathered 3.9, unsharded bf16 grads of the root 2.0 and their float32
@@ -339,6 +339,7 @@ def format_plan(arch: Architecture, shape: TrainingShape, phases: list[Phase]) -
         f"{s.world_size} GPU(s) of {s.gpu_memory_gib:.1f} GiB, {sharding}, weights {s.master_bytes} B, "
         f"compute {s.compute_bytes} B, engine {s.engine}"
         + (f" ({s.gpu_memory_utilization:g} of the GPU)" if s.engine == "vllm" and s.engine_on_gpu else ""),
+        f"{s.dialogues_per_rank * s.world_size} dialogues a step, {s.dialogues_per_rank} on each GPU",
         "",
         f"{'phase':<21} {'GiB/GPU':>7} {'limit':>6}  {'fits':<10} made of (GiB)",
     ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlver.core.plugins import get_registry, plain_config, split_spec
+from rlver.data.datamodule import profiles_per_rank
 from rlver.modeling.lora import LoraSettings
 
 GIB = 2**30
@@ -49,6 +50,7 @@ class TrainingShape:
     sharding_name: str = _WHOLE_SHARDING
     overlap: bool = False  # the next step's rollout runs during the update (rlver.rollout.overlap)
     engine_max_model_len: int | None = None  # vLLM's max_model_len (None: the model's max positions)
+    dialogues_per_rank: int = 1  # a step's dialogues on each rank: profiles x group_size
 
 
 def training_shape(
@@ -126,6 +128,7 @@ def training_shape(
         sharding_name=sharding if shard_count > 1 else _WHOLE_SHARDING,
         overlap=model.get("overlap") is not None,
         engine_max_model_len=int(engine["max_model_len"]) if engine.get("max_model_len") else None,
+        dialogues_per_rank=batch_size * int(model.get("group_size", 1)),
     )
 
 
@@ -158,7 +161,7 @@ def shape_from_recipe(config: Any, *, gpu_memory_gib: float, world_size: int | N
         state_dict_type=state_dict_type,
         precision=str(trainer.precision or "auto"),
         accelerator="cpu" if accelerator == "cpu" else "gpu",
-        batch_size=int(getattr(config.data, "batch_size", 1) or 1),
+        batch_size=per_rank_batch(config.data, world),
     )
 
 
@@ -224,3 +227,11 @@ def _device_count(devices: Any, accelerator: str) -> int:
 
         return max(1, torch.cuda.device_count())
     return int(devices)
+
+
+def per_rank_batch(data: Any, world_size: int) -> int:
+    """The profiles of a step on one rank, as ProfileDataModule splits them."""
+    per_step = getattr(data, "profiles_per_step", None)
+    if per_step is None:
+        return int(getattr(data, "batch_size", 1) or 1)
+    return profiles_per_rank(int(per_step), world_size)

@@ -41,6 +41,7 @@ from rlver.core.plugins import get_registry
 from rlver.core.trajectory import PolicyTurn, Trajectory
 from rlver.core.types import Profile, UserTurn
 from rlver.modeling.models import Policy
+from rlver.parallel.hang_watch import turn_progress
 from rlver.parallel.sharding import is_sharded
 from rlver.rollout.runner import RolloutRunner
 
@@ -280,7 +281,9 @@ class OverlapHooks:
         for step in range(first_step, last):
             dialogues = self._step_dialogues(datamodule.train_batch_at(step), step)
             runner = self.background_runners[step % len(self.background_runners)]
-            run = _background_run(runner, dialogues, self._rollout_seed(step), self.hparams.group_size)
+            run = _background_run(
+                runner, dialogues, self._rollout_seed(step), self.hparams.group_size, turn_progress(trainer)
+            )
             self.pipeline.start(step, dialogues, weights_step=self.global_step, run=run)
 
     def _sync_engine_for_rollout(self) -> None:
@@ -347,9 +350,15 @@ class OverlapHooks:
             )
 
 
-def _background_run(runner: RolloutRunner, dialogues: list[Profile], seed: int, group_size: int) -> Callable:
+def _background_run(
+    runner: RolloutRunner,
+    dialogues: list[Profile],
+    seed: int,
+    group_size: int,
+    on_turn: Callable | None = None,
+) -> Callable:
     def run(timings: dict) -> list[Trajectory]:
-        trajectories = runner.run(dialogues, seed=seed, group_size=group_size)
+        trajectories = runner.run(dialogues, seed=seed, group_size=group_size, on_turn=on_turn)
         timings.update(runner.timings)
         return trajectories
 

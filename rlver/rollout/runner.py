@@ -199,9 +199,13 @@ class RolloutRunner:
         opening line, written once; the policy samples each member's replies with its own
         seed. on_turn(turn, active) is called after every turn, for progress display;
         should_stop() before every turn: when it says True, StopRequested is raised.
+
+        Every rank calls it at the same point of a step, so the engine's collectives (a deferred
+        weight reload) run here first, before any dialogue can end or stop on this rank alone.
         """
         if group_size < 1 or len(profiles) % group_size:
             raise ValueError(f"{len(profiles)} profiles do not split into groups of {group_size}")
+        self.engine.prepare_for_rollout()
         base_seed = run_seed(self.settings.seed) if seed is None else seed
         self.timings = {"generate": 0.0, "simulator": 0.0}
         seeds = [dialogue_seed(base_seed, profile.id, i) for i, profile in enumerate(profiles)]

@@ -50,15 +50,17 @@ class StepRollouts(OverlapHooks):
                     dialogues, seed=seed, group_size=self.hparams.group_size, should_stop=should_stop
                 )
 
-        trajectories, fatal = run_unless_stopped(run, self._trainer, self._gather_objects)
+        try:
+            trajectories, fatal = run_unless_stopped(run, self._trainer, self._gather_objects)
+        finally:
+            # e.g. vLLM sleeps on GPUs, so that the update gets the memory, and so does the
+            # checkpoint a stop writes next (a preemption's SIGTERM mostly lands in a rollout)
+            self.runner.engine.release_memory()
         self.fatal_error = fatal or self.fatal_error
         if trajectories is None:
             return None
         seconds["rollout"] = time.perf_counter() - started
         seconds.update(generate=self.runner.timings["generate"], simulator=self.runner.timings["simulator"])
-        release_memory = getattr(self.runner.engine, "release_memory", None)
-        if release_memory is not None:
-            release_memory()  # e.g. vLLM sleeps on GPUs so the update gets the memory
         get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
         return trajectories, step
 

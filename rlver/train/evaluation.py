@@ -16,6 +16,7 @@ from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
 from rlver.evaluate.judging import MISSING_COLUMN, check_judge_spec, judge_test_records, judged_path
 from rlver.evaluate.score import score_records
+from rlver.parallel.hang_watch import turn_progress
 from rlver.rollout.runner import RolloutSettings
 from rlver.rollout.transcripts import to_sage_record
 from rlver.train.run_log import rollout_metrics, simulator_errors
@@ -136,7 +137,7 @@ class EvaluationHooks:
         previous, self.runner.settings = self.runner.settings, eval_settings
         try:
             with self._generation_weights():
-                return self.runner.run(list(profiles), seed=seed)
+                return self.runner.run(list(profiles), seed=seed, on_turn=turn_progress(self._trainer))
         finally:
             self.runner.settings = previous
 

@@ -235,6 +235,9 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
                 name=str(self.hparams.policy),
             )
             self.runner = self.rollout_runner(policy)
+            # Asleep until the first rollout (a no-op where the engine never sleeps): a resumed
+            # run restores the optimizer's state into the memory the engine would hold
+            self.runner.engine.release_memory()
             if self.overlap is not None:
                 self._build_background_runner(policy)
 
@@ -247,6 +250,11 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         stall = self.simulator.worst_case_seconds()
         return None if stall is None else stall + 600.0
 
+    def expected_quiet_seconds(self) -> float | None:
+        """The longest a healthy step goes without a turn: one simulator request with every retry
+        (HangWatchdog's default timeout covers it, so a dead endpoint stops the clean way)."""
+        return self.simulator.worst_request_seconds()
+
     def _check_training_precision(self) -> None:
         """Refuse numerics under which training silently learns nothing or clips wrongly."""
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
@@ -258,7 +266,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
     def on_train_start(self) -> None:
         # An engine that read the policy's own files holds its weights unless a checkpoint was
         # restored: a sync would only hold memory (issue 42)
-        fresh = getattr(self.runner.engine, "starts_with_policy_weights", False)
+        fresh = self.runner.engine.starts_with_policy_weights
         if self.global_step or self.trainer.ckpt_path or not fresh:
             self.runner.engine.sync_weights()
 
@@ -266,9 +274,15 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         self.pipeline.wait()  # the next step's rollout, if one runs, has the engine until it ends
         self.runner.engine.sync_weights()
 
+    def on_validation_end(self) -> None:
+        self.runner.engine.release_memory()  # a checkpoint on the validation metric comes next
+
     def on_test_start(self) -> None:
         self.pipeline.wait()
         self.runner.engine.sync_weights()
+
+    def on_test_end(self) -> None:
+        self.runner.engine.release_memory()
 
     def on_train_end(self) -> None:
         self.pipeline.drop()

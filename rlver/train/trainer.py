@@ -22,7 +22,7 @@ from rlver.modeling.precision import resolve_precision
 from rlver.parallel.allocator import keep_freed_memory
 from rlver.parallel.hang_watch import HangWatchdog
 from rlver.parallel.rank_watch import RankFailureWatch
-from rlver.parallel.slurm_launch import refuse_launch_without_srun
+from rlver.parallel.slurm_launch import refuse_launch_without_srun, refuse_nodes_without_launcher
 from rlver.train.progress import StepProgress
 
 
@@ -74,6 +74,7 @@ class Trainer(L.Trainer):
             overfit_batches=overfit_batches,
         )
         refuse_launch_without_srun()  # before Lightning takes SLURM as the launcher and waits
+        refuse_nodes_without_launcher(int(kwargs.get("num_nodes") or 1), kwargs.get("devices", "auto"))
         precision, reason = resolve_precision(precision, kwargs.get("accelerator", "auto"))
         if reason:
             note(reason)
