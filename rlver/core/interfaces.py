@@ -9,10 +9,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rlver.core.emotion import Difficulty
 from rlver.core.trajectory import ParsedReply, Trajectory
 from rlver.core.types import Profile, UserTurn
+
+if TYPE_CHECKING:  # the contract names tensors without importing torch for plugins that need none
+    from torch import Tensor
 
 __all__ = [
     "AdvantageBatch", "AdvantageEstimator", "AdvantageResult", "DialogueJudge", "Generation", "ParsedReply",
@@ -41,9 +45,14 @@ class StopRequested(Exception):
 
 
 class UserSession(ABC):
-    """One simulated user in one dialogue. Owns all of that dialogue's user state."""
+    """One simulated user in one dialogue. Owns all of that dialogue's user state.
+
+    `difficulty`: the level this user plays (a `Difficulty`, or its name), which the transcript
+    records; None where the simulator has no levels.
+    """
 
     profile: Profile
+    difficulty: Difficulty | str | None = None
 
     @abstractmethod
     def opening(self) -> UserTurn:
@@ -246,6 +255,10 @@ class RewardFunction(ABC):
     it to its last turn's value: token rewards are summed either way.
     """
 
+    # True for a reward made of per-turn differences of a potential, phi(E_t) - phi(E_t-1): it sums
+    # to the final potential only undiscounted, so rlver refuses it beside an estimator with gamma < 1.
+    potential_based: bool = False
+
     @abstractmethod
     def __call__(self, trajectories: Sequence[Trajectory]) -> Sequence[float | Sequence[float]]: ...
 
@@ -269,21 +282,21 @@ class AdvantageBatch:
     turn_ids: (D, T) the policy turn (0-based) of each timeline position; None: one turn.
     """
 
-    token_rewards: Any
-    values: Any
-    mask: Any
-    group_ids: Any
-    valid: Any = None
-    reduce_sum: Callable[[Any], Any] | None = None
-    turn_ids: Any = None
+    token_rewards: Tensor
+    values: Tensor | None
+    mask: Tensor
+    group_ids: Tensor
+    valid: Tensor | None = None
+    reduce_sum: Callable[[Tensor], Tensor] | None = None
+    turn_ids: Tensor | None = None
 
-    def valid_mask(self) -> Any:
+    def valid_mask(self) -> Tensor:
         """(D, T) mask of the positions that count: `mask` on valid dialogues only."""
         if self.valid is None:
             return self.mask
         return self.mask * self.valid[:, None].to(self.mask.dtype)
 
-    def global_sum(self, tensor: Any) -> Any:
+    def global_sum(self, tensor: Tensor) -> Tensor:
         return tensor if self.reduce_sum is None else self.reduce_sum(tensor)
 
 
@@ -291,8 +304,8 @@ class AdvantageBatch:
 class AdvantageResult:
     """advantages: (D, T); returns: (D, T) value targets, or None without a critic."""
 
-    advantages: Any
-    returns: Any = None
+    advantages: Tensor
+    returns: Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -300,11 +313,14 @@ class AdvantageEstimator(ABC):
     """Turns rewards (and values, for critics) into per-token advantages.
 
     `requires_critic` tells the trainer whether to build and train a value model;
-    `requires_groups` that its baseline compares the dialogues of a group (`group_size` >= 2).
+    `requires_groups` that its baseline compares the dialogues of a group (`group_size` >= 2);
+    `gamma` is the discount it applies between timeline positions (1: none): an estimator that
+    discounts must say so here, since a potential-based reward is exact only undiscounted.
     """
 
     requires_critic: bool = False
     requires_groups: bool = False
+    gamma: float = 1.0
 
     @abstractmethod
     def __call__(self, batch: AdvantageBatch) -> AdvantageResult: ...

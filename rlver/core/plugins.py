@@ -17,13 +17,14 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
 from rlver.core import hookspecs
 
 ENTRY_POINT_GROUP = "rlver"
+T = TypeVar("T")
 
 # kind -> registration hook; kinds are the plural nouns used in `rlver plugins`.
 REGISTRATION_HOOKS: dict[str, str] = {
@@ -211,6 +212,17 @@ def check_options(
     for key in options:
         if key not in accepted:
             raise PluginError(f"{flag}.{key}: unknown option; accepted: {', '.join(accepted) or 'none'}")
+
+
+def implementing(interface: type[T], component: Any, flag: str) -> T:
+    """`component`, once it is shown to implement `interface`: core reads only what the
+    interface declares, so a plugin that does not subclass it is refused here, by its flag."""
+    if not isinstance(component, interface):
+        raise PluginError(
+            f"{flag}: built a {type(component).__name__}, which does not implement "
+            f"rlver.core.interfaces.{interface.__name__} (subclass it: CONTRIBUTING.md, 'Writing a plugin')"
+        )
+    return component
 
 
 _default_registry: Registry | None = None

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rlver.core.plugins import get_registry, plain_config, split_spec
+from rlver.core.interfaces import AdvantageEstimator
+from rlver.core.plugins import get_registry, implementing, plain_config, split_spec
 from rlver.data.datamodule import profiles_per_rank
 from rlver.modeling.lora import LoraSettings
 
@@ -150,10 +151,11 @@ def shape_from_recipe(config: Any, *, gpu_memory_gib: float, world_size: int | N
         chosen = init_args.get("sharding_strategy") or "FULL_SHARD"
         sharding = getattr(chosen, "name", str(chosen))
         state_dict_type = init_args.get("state_dict_type") or "full"
-    estimator = get_registry().build("advantages", model.get("advantage", "grpo"), flag="--model.advantage")
+    built = get_registry().build("advantages", model.get("advantage", "grpo"), flag="--model.advantage")
+    estimator = implementing(AdvantageEstimator, built, "--model.advantage")
     return training_shape(
         model,
-        critic=bool(getattr(estimator, "requires_critic", False)),
+        critic=estimator.requires_critic,
         gpu_memory_gib=gpu_memory_gib,
         world_size=world,
         devices_per_node=devices,

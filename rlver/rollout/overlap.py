@@ -308,7 +308,7 @@ class OverlapHooks:
 
         depth = self.overlap.max_staleness
         self.pipeline, self.snapshot = RolloutPipeline(workers=depth), None
-        if getattr(self.runner.engine, "samples_from_training_module", False):
+        if self.runner.engine.samples_from_training_module:
             if is_sharded(self.policy_model):
                 raise ValueError("--model.overlap with the hf engine needs an unsharded policy; use vllm")
             self.snapshot = SnapshotPolicy(policy)

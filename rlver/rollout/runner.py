@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlver.core.emotion import Difficulty
 from rlver.core.interfaces import (
     PromptFormat,
     RolloutEngine,
@@ -320,8 +321,8 @@ class RolloutRunner:
         """A dialogue before its opening: the session (a group shares `user_seed`) and prompt."""
         session = self.simulator.open(profile, seed=user_seed)
         trajectory = Trajectory(profile, seed, self.system_prompt(profile), components=self.components)
-        level = getattr(session, "difficulty", None)  # a Difficulty, a name, or absent
-        trajectory.difficulty = getattr(level, "name", level)
+        level = session.difficulty
+        trajectory.difficulty = level.name if isinstance(level, Difficulty) else level
         return RunningDialogue(index, call_seed, trajectory, session)
 
     def _begin(self, dialogue: RunningDialogue, opening: UserTurn) -> None:

@@ -65,4 +65,5 @@ class StepRollouts(OverlapHooks):
         return trajectories, step
 
     def _generation_weights(self) -> contextlib.AbstractContextManager:
-        return weights_for_generation(getattr(self.runner, "engine", None), self.policy_model)
+        engine = self.runner.engine if self.runner is not None else None
+        return weights_for_generation(engine, self.policy_model)

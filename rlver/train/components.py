@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlver.core.plugins import get_registry, plain_config, split_spec
+from rlver.core.interfaces import AdvantageEstimator, PromptFormat, RewardFunction, UserSimulator
+from rlver.core.plugins import get_registry, implementing, plain_config, split_spec
 from rlver.core.seeding import run_seed
 from rlver.modeling.lora import LoraSettings
 from rlver.modeling.models import DTYPES
@@ -32,7 +33,7 @@ def _as_settings(cls: type, value: Any, flag: str) -> Any:
         raise ValueError(f"{flag}: {error}") from None
 
 
-def build_rewards(registry: Any, specs: Sequence[ComponentSpec]) -> list[tuple[str, float, Any]]:
+def build_rewards(registry: Any, specs: Sequence[ComponentSpec]) -> list[tuple[str, float, RewardFunction]]:
     """(name, weight, function) of each `--model.rewards` entry; the weight is taken out of its options."""
     if not specs:
         raise ValueError("--model.rewards: at least one reward is needed")
@@ -41,22 +42,25 @@ def build_rewards(registry: Any, specs: Sequence[ComponentSpec]) -> list[tuple[s
         flag = f"--model.rewards[{index}]"
         name, options = split_spec(spec, flag=flag)
         weight = float(options.pop("weight", 1.0))
-        built.append((name, weight, registry.build("rewards", {"name": name, **options}, flag=flag)))
+        function = registry.build("rewards", {"name": name, **options}, flag=flag)
+        built.append((name, weight, implementing(RewardFunction, function, flag)))
     return built
 
 
-def check_potential_rewards(rewards: list[tuple[str, float, Any]], estimator: Any, advantage: Any) -> None:
+def check_potential_rewards(
+    rewards: list[tuple[str, float, RewardFunction]], estimator: AdvantageEstimator, advantage: Any
+) -> None:
     """Refuse a discounted estimator with a reward made of potential differences (`potential_based`).
 
     phi(E_t) - phi(E_{t-1}) per turn sums to phi(E_T) - phi(E_0) only at gamma = 1; discounted,
     the early turns' credit would count the later potential at full weight and the sum would no
     longer be the final emotion: the run would train on another objective without a word.
     """
-    gamma = getattr(estimator, "gamma", 1.0)
+    gamma = estimator.gamma
     if gamma >= 1.0:
         return
     for name, _, function in rewards:
-        if getattr(function, "potential_based", False):
+        if function.potential_based:
             advantage_name, _ = split_spec(advantage, flag="--model.advantage")
             raise ValueError(
                 f"--model.rewards: {name} is potential-based only at gamma = 1 (its per-turn "
@@ -119,10 +123,10 @@ def checked_settings(
 @dataclass
 class Components:
     specs: dict[str, Any]  # each component's config, as the rollout records name them
-    simulator: Any
-    prompt_format: Any
-    advantage: Any
-    rewards: list[tuple[str, float, Any]]
+    simulator: UserSimulator
+    prompt_format: PromptFormat
+    advantage: AdvantageEstimator
+    rewards: list[tuple[str, float, RewardFunction]]
 
 
 def build_components(
@@ -146,20 +150,31 @@ def build_components(
         "prompt_format": plain_config(prompt_format),
         "advantage": plain_config(advantage),
     }
-    built_simulator = registry.build("simulators", specs["simulator"], flag="--model.simulator")
-    built_format = registry.build("formats", specs["prompt_format"], flag="--model.prompt_format")
+    built_simulator = implementing(
+        UserSimulator,
+        registry.build("simulators", specs["simulator"], flag="--model.simulator"),
+        "--model.simulator",
+    )
+    built_format = implementing(
+        PromptFormat,
+        registry.build("formats", specs["prompt_format"], flag="--model.prompt_format"),
+        "--model.prompt_format",
+    )
     registry.check("engines", specs["engine"], flag="--model.engine", context={"policy"})
-    estimator = registry.build("advantages", specs["advantage"], flag="--model.advantage")
+    estimator = implementing(
+        AdvantageEstimator, registry.build("advantages", specs["advantage"], flag="--model.advantage"),
+        "--model.advantage",
+    )  # fmt: skip
     reward_functions = build_rewards(
         registry, plain_config(rewards) if rewards is not None else ["final_emotion"]
     )
     check_potential_rewards(reward_functions, estimator, specs["advantage"])
-    if getattr(estimator, "requires_critic", False) is False and critic is not None:
+    if not estimator.requires_critic and critic is not None:
         raise ValueError("--model.critic is set but the advantage estimator trains no critic")
-    if group_size < 2 and getattr(estimator, "requires_groups", False):
+    if group_size < 2 and estimator.requires_groups:
         advantage_name, _ = split_spec(specs["advantage"], flag="--model.advantage")
         raise ValueError(f"--model.group_size ({group_size}) must be >= 2 for {advantage_name}")
-    if kl_mode == "in-reward" and getattr(estimator, "requires_groups", False):
+    if kl_mode == "in-reward" and estimator.requires_groups:
         # A group whose rewards tie would be normalised on KL noise alone: +-1 advantages.
         raise ValueError(
             "--model.ppo.kl_mode in-reward needs a critic (advantage: gae); a group baseline "

@@ -26,8 +26,8 @@ import torch
 from rlver.checkpoint.io import use_rlver_checkpoint_io
 from rlver.checkpoint.state import CheckpointHooks
 from rlver.core.console import phase
-from rlver.core.interfaces import SimulatorUnavailable, StopRequested
-from rlver.core.plugins import get_registry
+from rlver.core.interfaces import RolloutEngine, SimulatorUnavailable, StopRequested
+from rlver.core.plugins import get_registry, implementing
 from rlver.core.trajectory import Trajectory
 from rlver.core.types import Profile
 from rlver.modeling.batch import RolloutBatch
@@ -45,7 +45,12 @@ from rlver.rollout.overlap import OverlapSettings, RolloutPipeline, engine_for_o
 from rlver.rollout.runner import RolloutRunner, RolloutSettings
 from rlver.rollout.step_rollouts import StepRollouts
 from rlver.train import ranks
-from rlver.train.components import ComponentSpec, build_components, checked_settings, overlap_settings
+from rlver.train.components import (
+    ComponentSpec,
+    build_components,
+    checked_settings,
+    overlap_settings,
+)
 from rlver.train.evaluation import EvaluationHooks
 from rlver.train.ppo_update import PPOSettings, actor_loss, ppo_update
 from rlver.train.run_log import (
@@ -167,7 +172,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
 
     @property
     def uses_critic(self) -> bool:
-        return bool(getattr(self.advantage_estimator, "requires_critic", False))
+        return self.advantage_estimator.requires_critic
 
     def configure_model(self) -> None:
         """Load the networks (called by Lightning once the strategy is set up; idempotent)."""
@@ -205,7 +210,11 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         spec = self.component_specs["engine"]
         if self.overlap is not None:
             spec = engine_for_overlap(spec)
-        engine = get_registry().build("engines", spec, flag="--model.engine", policy=policy)
+        engine = implementing(
+            RolloutEngine,
+            get_registry().build("engines", spec, flag="--model.engine", policy=policy),
+            "--model.engine",
+        )
         return RolloutRunner(
             policy,
             engine,
