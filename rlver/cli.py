@@ -19,6 +19,7 @@ from rlver import __version__  # noqa: E402
 from rlver.checkpoint.io import CheckpointWriteError  # noqa: E402
 from rlver.commands.ablate import ablate_command  # noqa: E402
 from rlver.commands.capabilities import eval_command  # noqa: E402
+from rlver.commands.probe import probe_command  # noqa: E402
 from rlver.commands.recipes import _lightning_cli_class, check_config_files, parse_recipe  # noqa: E402
 from rlver.commands.rollout import build_runner, rollout_command, rollout_parser  # noqa: E402
 from rlver.commands.standalone import export_command, plan_command, plugins_command, score_command  # noqa: E402
@@ -66,6 +67,7 @@ COMMANDS = {
     "plan": plan_command,
     "eval": eval_command,
     "ablate": ablate_command,
+    "probe": probe_command,
 }
 TRAINER_COMMANDS = ("fit", "validate", "test")
 
@@ -84,6 +86,7 @@ commands:
   plan       GPU memory of each phase of a recipe's training step; exit 1 if one does not fit
   plugins    list installed plugins and what they register (JSON)
   ablate     train arms x seeds (rlver fit each), resumable; tables with paired 95% intervals
+  probe      scripted responders (stock sympathy, parroting, ...) against a recipe's users
 
 `--verbose` anywhere (or RLVER_VERBOSE=1) also shows the libraries' own logging and warnings.
 

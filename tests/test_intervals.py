@@ -89,7 +89,7 @@ class _Recorder:
 
 class _Dialogue(SimpleNamespace):
     def __init__(self, profile_id, final_emotion):
-        super().__init__(profile_id=profile_id, final_emotion=final_emotion)
+        super().__init__(profile_id=profile_id, final_emotion=final_emotion, user_turns=[], policy_turns=[])
 
     def to_record(self):
         return {"profile_id": self.profile_id, "final_emotion": self.final_emotion}

@@ -93,6 +93,11 @@ EXPECTED_SCALARS = [
     "perf/update_seconds",
     "perf/rollout_tokens_per_second",
     "perf/update_tokens_per_second",
+    "gaming/repeat_share",
+    "gaming/copy_share",
+    "gaming/cut_share",
+    "gaming/distinct_2",
+    "gaming/top_opening_share",
 ]
 
 

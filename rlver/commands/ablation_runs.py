@@ -190,6 +190,7 @@ def run_scores(folder: Path, arm: str, seed: int) -> RunScores | None:
         before=record.get("before"),
         curve=training_curve(folder / "tensorboard"),
         seconds=seconds,
+        gaming=(record.get("gaming") or {}).get("after"),
     )
 
 

@@ -13,6 +13,7 @@ from rlver.core.trajectory import summarize
 from rlver.data.datamodule import ProfileDataModule
 from rlver.evaluate.intervals import PairedChange, mean_interval, paired_by_key, per_user_means
 from rlver.parallel.allocator import keep_freed_memory
+from rlver.rollout.gaming import gaming_shares
 from rlver.rollout.runner import RolloutRunner
 from rlver.rollout.transcripts import TranscriptWriter
 from rlver.train.module import RLVERModule
@@ -143,6 +144,7 @@ def rollout_command(argv: Sequence[str]) -> int:
     print(f"{'per-user mean':<18}  {interval}  (95% interval over {len(scores)} users)")
     if cfg.compare is not None:
         print(f"{'change vs compare':<18}  {compared_change(cfg.compare, scores).format()}")
+    print(gaming_shares(trajectories).line())
     errors = sum(t.termination == "simulator_error" for t in trajectories)
     print(f"{'simulator errors':<18}  {errors:d}")
     for name, value in simulator_counts.items():

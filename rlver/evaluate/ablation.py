@@ -43,6 +43,7 @@ class RunScores:
     before: Mapping[str, float] | None = None
     curve: Mapping[int, float] = field(default_factory=dict)
     seconds: float | None = None
+    gaming: Mapping[str, Any] | None = None  # BeforeAfter's shares of the after-training replies
 
     @property
     def after_mean(self) -> float:
@@ -179,6 +180,7 @@ def _run_detail(run: RunScores) -> dict[str, Any]:
         "change": run.change(),
         "training_quarters": None if quarters is None else {"first": quarters[0], "last": quarters[1]},
         "training_rise": run.rise(),
+        "gaming": run.gaming,
     }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from rlver.evaluate.ablation import MeanError
 from rlver.evaluate.intervals import Interval, TrainingRise
+from rlver.rollout.gaming import GamingShares
 
 
 def _cell(value: dict[str, float] | None, signed: bool = False) -> str:
@@ -64,7 +65,7 @@ def markdown(summary: dict[str, Any], title: str = "Ablation") -> str:
     for name, row in arms.items():
         if row["runs"]:
             lines.append(f"| {name} | {_difference_cell(row.get('difference'))} |")
-    lines += ["", *_gain_over_seeds(arms), "", *_per_run(arms)]
+    lines += ["", *_gain_over_seeds(arms), "", *_per_run(arms), "", *_gaming(arms)]
     with_curves = [name for name, row in arms.items() if row.get("curve")]
     if with_curves:
         steps = sorted({int(step) for name in with_curves for step in arms[name]["curve"]})
@@ -161,3 +162,31 @@ def plot_curves(summary: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def _gaming(arms: dict[str, Any]) -> list[str]:
+    """Per run, what the after-training replies show (rlver.rollout.gaming), and what passed its threshold."""
+    lines = [
+        "Gaming signs in each run's after-training replies (rlver/rollout/gaming.py: shares of replies"
+        " that repeat an earlier one of their dialogue, copy the user, are cut by the length limit;"
+        " distinct-2; the most common opening):",
+        "",
+        "| arm | seed | repeats | copies | cut | distinct-2 | top opening | watch |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in arms.items():
+        for seed, run in row.get("per_seed", {}).items():
+            record = run.get("gaming")
+            if not record:
+                lines.append(f"| {name} | {seed} | n/a | n/a | n/a | n/a | n/a | |")
+                continue
+            shares = GamingShares.from_record(record)
+            opening = f"{shares.top_opening_share:.0%}" + (
+                f" ({shares.top_openings[0][0]!r})" if shares.top_openings else ""
+            )
+            watch = "; ".join(shares.warnings())
+            lines.append(
+                f"| {name} | {seed} | {shares.repeat_share:.0%} | {shares.copy_share:.0%} | "
+                f"{shares.cut_share:.0%} | {shares.distinct_2:.2f} | {opening} | {watch} |"
+            )
+    return lines

@@ -14,6 +14,7 @@ from rlver.checkpoint.stopping import last_checkpoint_path
 from rlver.core.console import phase
 from rlver.core.emotion import DIFFICULTIES
 from rlver.evaluate.intervals import paired_by_key, per_user_means, training_rise
+from rlver.rollout.gaming import GamingShares, gaming_shares
 from rlver.rollout.transcripts import TranscriptWriter
 
 # The training curve BeforeAfter keeps: the module logs each step's mean final emotion of its
@@ -76,6 +77,7 @@ class BeforeAfter(L.Callback):
         self.before: dict[str, float] | None = None
         self.curve: dict[int, float] = {}
         self._log_dir: str | None = None
+        self.gaming: dict[str, GamingShares] = {}  # "before", "after": what the replies show
 
     def _finals(self, trainer: L.Trainer, pl_module: Any, stage: str) -> dict[str, float]:
         profiles = trainer.datamodule.profiles(self.split)
@@ -85,7 +87,18 @@ class BeforeAfter(L.Callback):
         # Every rank talks with the same users: rank 0 writes them.
         keep = self.transcripts and self._log_dir and trainer.global_rank == 0
         path = Path(self._log_dir or "") / "before_after" / f"{stage}.jsonl" if keep else None
-        return heldout_scores(pl_module.evaluation_rollouts, profiles, self.seed, self.samples, path)
+        seen: list[Any] = []
+
+        def evaluate(batch: Sequence[Any], seed: int) -> list[Any]:
+            trajectories = pl_module.evaluation_rollouts(batch, seed=seed)
+            seen.extend(trajectories)
+            return trajectories
+
+        scores = heldout_scores(evaluate, profiles, self.seed, self.samples, path)
+        self.gaming[stage] = gaming_shares(seen)
+        if path is not None:  # the shares and the top openings beside the transcripts they count
+            path.with_suffix(".gaming.json").write_text(json.dumps(self.gaming[stage].as_record(), indent=1))
+        return scores
 
     def _users(self, trainer: L.Trainer) -> str:
         count = len(trainer.datamodule.profiles(self.split))
@@ -176,6 +189,9 @@ class BeforeAfter(L.Callback):
             )
         else:
             lines.append(f"  after {trainer.global_step} steps  {mean_after:.1f}  (resumed run: no 'before')")
+        for stage in ("before", "after"):
+            if stage in self.gaming:
+                lines.append(f"  {stage:<6} {self.gaming[stage].line()}")
         rise = training_rise(self.curve)
         if rise is not None:
             lines.append(
@@ -189,6 +205,7 @@ class BeforeAfter(L.Callback):
             "after": after,
             "change": change.as_dict() if change is not None else None,
             "training_curve": self.curve,
+            "gaming": {stage: shares.as_record() for stage, shares in self.gaming.items()},
             "training_rise": None
             if rise is None
             else {"first": rise.first, "last": rise.last, **rise.rise.as_dict()},

@@ -41,6 +41,7 @@ from rlver.modeling.networks import (
 )
 from rlver.parallel.sharding import shard_for_strategy
 from rlver.plan.memory_plan import check_fits
+from rlver.rollout.gaming import gaming_shares
 from rlver.rollout.overlap import OverlapSettings, RolloutPipeline, engine_for_overlap
 from rlver.rollout.runner import RolloutRunner, RolloutSettings
 from rlver.rollout.step_rollouts import StepRollouts
@@ -324,6 +325,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             return  # GracefulStop checkpoints the state as of the last finished step, and stops
         trajectories, sampled_by = rolled_out
         metrics = rollout_metrics(trajectories, prefix="rollout")
+        metrics.update(gaming_shares(trajectories).metrics())  # what the replies show (rollout.gaming)
         if self.curriculum is not None:
             metrics.update(self._difficulty_metrics(trajectories))
         metrics["rollout/simulator_errors"] = simulator_errors(trajectories)
