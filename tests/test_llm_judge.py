@@ -212,9 +212,12 @@ def test_rlver_score_reports_the_dimensions_beside_score_success_failure(tmp_pat
     header = next(line for line in lines if line.startswith("| model | N |"))
     assert header.endswith("| Failure | mean user msgs | empathy | insight | action | judge missing |")
     # Avery 8/6/3, Blake 7/5/4, Devon (its last recorded answer) empathy out of range, 4, 9.
-    assert "| policy | 3 | 65.0 | 0 | 0 | 2.00 | 7.5 | 5.0 | 5.3 | 1 |" in lines
-    assert "| policy | vent | 2 | 70.0 | 0 | 0 | 2.00 | 7.0 | 4.5 | 6.5 | 1 |" in lines
-    assert "| policy | advice | 1 | 55.0 | 0 | 0 | 2.00 | 8.0 | 6.0 | 3.0 | 0 |" in lines
+    row = next(line for line in lines if line.startswith("| policy | 3 | 65.0 ["))
+    assert row.endswith(" | 2.00 | 7.5 | 5.0 | 5.3 | 1 |") and "| 0 (0% [" in row
+    vent = next(line for line in lines if line.startswith("| policy | vent | 2 | 70.0 ["))
+    assert vent.endswith(" | 2.00 | 7.0 | 4.5 | 6.5 | 1 |")
+    advice = next(line for line in lines if line.startswith("| policy | advice | 1 | 55.0 ["))
+    assert advice.endswith(" | 2.00 | 8.0 | 6.0 | 3.0 | 0 |")
     judged = [json.loads(line) for line in (tmp_path / "policy.judged.jsonl").read_text().splitlines()]
     assert [row["scores"]["empathy"] for row in judged] == [8.0, 7.0, None]
 

@@ -1,6 +1,8 @@
 """`rlver score`, the SAGE record writer and SAGE records read as profiles."""
 
 import json
+import math
+import re
 from itertools import pairwise
 
 import pytest
@@ -69,13 +71,22 @@ def table_row(stdout, name):
 # --------------------------------------------------------------------------- pure scoring
 def test_score_records_by_hand():
     records = [t.to_record() for t in synthetic_trajectories()]
+    z = 1.959963984540054  # Wilson's 95% interval of 1 in 3, by hand
+    centre, half = (1 / 3 + z**2 / 6) / (1 + z**2 / 3), z * math.sqrt(2 / 27 + z**2 / 36) / (1 + z**2 / 3)
     assert score_records(records) == {
         "dialogues": 3,
         "score": 50.0,
+        "score_low": 0.0,  # 50 -+ 4.303 x 47.7 / sqrt(3) = [-68.5, 168.5], clipped to the emotion's range
+        "score_high": 100.0,
         "success": 1,
         "failure": 1,
+        "success_low": pytest.approx(centre - half),
+        "success_high": pytest.approx(centre + half),
+        "failure_low": pytest.approx(centre - half),
+        "failure_high": pytest.approx(centre + half),
         "mean_user_messages": pytest.approx(10 / 3),
     }
+    assert round(centre - half, 4) == 0.0615 and round(centre + half, 4) == 0.7923
     assert score_records(to_sage_record(t) for t in synthetic_trajectories()) == score_records(records)
 
 
@@ -116,8 +127,8 @@ def test_leaderboard_sorted_by_score_and_split_by_a_field(tmp_path):
     files = [load_scored_file(bad), load_scored_file(good)]
     table = leaderboard_markdown(leaderboard_rows(files))
     assert table.splitlines()[2:] == [
-        "| good | 1 | 90.0 | 0 | 0 | 2.00 |",
-        "| bad | 3 | 50.0 | 1 | 1 | 3.33 |",
+        "| good | 1 | 90.0 [90.0, 90.0] | 0 (0% [0%, 79%]) | 0 (0% [0%, 79%]) | 2.00 |",
+        "| bad | 3 | 50.0 [0.0, 100.0] | 1 (33% [6%, 79%]) | 1 (33% [6%, 79%]) | 3.33 |",
     ]
     by = leaderboard_rows(files[:1], by="profile_id")
     assert [(row["profile_id"], row["score"]) for row in by] == [
@@ -213,7 +224,8 @@ def test_score_command_reproduces_the_published_qwen_numbers(tmp_path):
     plot = tmp_path / "plots" / "sentient.png"
     result = run_cli("score", SAGE_FILE, "--plot", plot)
     assert result.returncode == 0, result.stderr
-    assert table_row(result.stdout, "sage_transcripts_qwen2.5-72b") == [
+    row = table_row(result.stdout, "sage_transcripts_qwen2.5-72b")
+    assert [cell.split()[0] for cell in row] == [
         "sage_transcripts_qwen2.5-72b",
         "100",
         "19.1",
@@ -221,6 +233,9 @@ def test_score_command_reproduces_the_published_qwen_numbers(tmp_path):
         "70",
         "7.41",
     ]
+    low, high = map(float, re.findall(r"\[([\d.]+), ([\d.]+)\]", row[2])[0])
+    assert low < 19.1 < high  # Score's 95% interval over the 100 dialogues
+    assert row[3].startswith("4 (4% [") and row[4].startswith("70 (70% [")
     assert f"plot: {plot}" in result.stdout
     assert plot.read_bytes()[:8] == PNG_MAGIC
     import matplotlib.image
@@ -239,9 +254,12 @@ def test_score_command_scores_both_formats_alike(tmp_path):
     assert len(list(read_transcripts(own))) == 3
     result = run_cli("score", own, sage, "--plot", "none", "--by", "termination")
     assert result.returncode == 0, result.stderr
-    assert table_row(result.stdout, "own")[1:] == ["3", "50.0", "1", "1", "3.33"]
-    assert table_row(result.stdout, "as_sage")[1:] == ["3", "50.0", "1", "1", "3.33"]
-    assert "| own | success | 1 | 100.0 | 1 | 0 | 4.00 |" in result.stdout
+    assert [c.split()[0] for c in table_row(result.stdout, "own")[1:]] == ["3", "50.0", "1", "1", "3.33"]
+    assert table_row(result.stdout, "as_sage")[1:] == table_row(result.stdout, "own")[1:]
+    assert (
+        "| own | success | 1 | 100.0 [100.0, 100.0] | 1 (100% [21%, 100%]) | 0 (0% [0%, 79%]) | 4.00 |"
+        in (result.stdout)
+    )
     assert "plot:" not in result.stdout
 
 

@@ -134,7 +134,9 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
         "Success": sum(f >= 100 for f in finals),
         "Failure": sum(f < 10 for f in finals),
     }
-    assert f"{printed['Score']:.1f}" in cells and str(int(printed["Failure"])) in cells
+    leading = [cell.split()[0] for cell in cells if cell]  # each figure, before its interval
+    assert f"{printed['Score']:.1f}" in leading and str(int(printed["Failure"])) in leading
+    assert "(95% interval over dialogues)" in result.stdout
 
     # The judge's dimensions, printed below Failure: the means of the judged file beside the records.
     assert judge_answers.sent == {users[0].first_talk: 2, users[1].first_talk: 3}  # re-asked, bounded

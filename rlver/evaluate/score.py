@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlver.evaluate.intervals import mean_interval
 from rlver.rollout.transcripts import read_numbered_transcripts
 
 SUCCESS_AT = 100.0
@@ -111,18 +112,49 @@ def _number(value: Any, where: str, name: str) -> float:
 
 # --------------------------------------------------------------------------- scores
 def score_emotions(trajectories: Sequence[Sequence[float]]) -> dict[str, Any]:
-    """Dialogues, Score (mean final emotion), Success, Failure and mean user messages."""
+    """Dialogues, Score (mean final emotion), Success, Failure and mean user messages, each with its
+    95% interval: Score's a Student t interval over the dialogues, Success's and Failure's Wilson
+    intervals of their share of the dialogues (`*_low`, `*_high`, shares in [0, 1])."""
     count = len(trajectories)
     if count == 0:
         return {"dialogues": 0, "score": 0.0, "success": 0, "failure": 0, "mean_user_messages": 0.0}
     finals = [emotions[-1] for emotions in trajectories]
+    success = sum(final >= SUCCESS_AT for final in finals)
+    failure = sum(final < FAILURE_BELOW for final in finals)
+    score = mean_interval(finals)
     return {
         "dialogues": count,
         "score": sum(finals) / count,
-        "success": sum(final >= SUCCESS_AT for final in finals),
-        "failure": sum(final < FAILURE_BELOW for final in finals),
+        "score_low": max(score.low, 0.0),  # the emotion's own range: a t interval of few dialogues
+        "score_high": min(score.high, 100.0),  # can pass it
+        "success": success,
+        "failure": failure,
+        **share_interval("success", success, count),
+        **share_interval("failure", failure, count),
         "mean_user_messages": sum(len(emotions) for emotions in trajectories) / count,
     }
+
+
+def share_interval(name: str, hits: int, count: int) -> dict[str, float]:
+    """`<name>_low` and `<name>_high`: the 95% Wilson interval of hits / count (scipy)."""
+    from scipy.stats import binomtest
+
+    interval = binomtest(hits, count).proportion_ci(confidence_level=0.95, method="wilson")
+    return {f"{name}_low": float(interval.low), f"{name}_high": float(interval.high)}
+
+
+def with_intervals(scores: dict[str, Any]) -> dict[str, str]:
+    """Score, Success and Failure as printed: `61.2 [58.0, 64.4]`, `12 (12% [7%, 20%])`."""
+    if not scores.get("dialogues"):
+        return {"score": "-", "success": "-", "failure": "-"}
+    count = scores["dialogues"]
+    cells = {"score": f"{scores['score']:.1f} [{scores['score_low']:.1f}, {scores['score_high']:.1f}]"}
+    for name in ("success", "failure"):
+        share = scores[name] / count
+        cells[name] = (
+            f"{scores[name]:d} ({share:.0%} [{scores[f'{name}_low']:.0%}, {scores[f'{name}_high']:.0%}])"
+        )
+    return cells
 
 
 def score_records(records: Iterable[Any]) -> dict[str, Any]:
@@ -194,9 +226,7 @@ def leaderboard_markdown(
             _cell(row["name"]),
             *([_cell(row[by])] if by else []),
             f"{row['dialogues']:d}",
-            f"{row['score']:.1f}",
-            f"{row['success']:d}",
-            f"{row['failure']:d}",
+            *(with_intervals(row)[name] for name in ("score", "success", "failure")),
             f"{row['mean_user_messages']:.2f}",
             *(_extra_cell(row.get(name)) for name in extra),
         ]

@@ -15,7 +15,7 @@ from rlver.core.plugins import plain_config
 from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
 from rlver.evaluate.judging import MISSING_COLUMN, check_judge_spec, judge_test_records, judged_path
-from rlver.evaluate.score import score_records
+from rlver.evaluate.score import score_records, with_intervals
 from rlver.parallel.hang_watch import turn_progress
 from rlver.rollout.runner import RolloutSettings
 from rlver.rollout.transcripts import to_sage_record
@@ -74,6 +74,7 @@ def sentient_output(
     if rank != 0 or not records:
         return
     scores = score_records(records)
+    cells = with_intervals(scores)
     errors = sum(t.termination == "simulator_error" for t in trajectories)
     dimensions = ""
     if judge is not None:
@@ -92,9 +93,9 @@ def sentient_output(
     print(
         f"\nSentient benchmark ({scores['dialogues']} dialogues"
         f"{f', {errors} ended by simulator errors' if errors else ''})\n"
-        f"Score    {scores['score']:.1f}\n"
-        f"Success  {scores['success']}\n"
-        f"Failure  {scores['failure']}\n"
+        f"Score    {cells['score']}  (95% interval over dialogues)\n"
+        f"Success  {cells['success']}\n"
+        f"Failure  {cells['failure']}\n"
         + dimensions
         + (f"records  {path}  (rlver score {path})\n" if path is not None else ""),
         flush=True,
