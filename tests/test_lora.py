@@ -194,3 +194,30 @@ def test_lora_under_fsdp_on_two_processes_trains_syncs_vllm_and_checkpoints_the_
         result = run_cli("export", "--ckpt", checkpoint, "--out", out, *extra)
         assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((tmp_path / "export1" / "adapter_config.json").read_text())["r"] == 4
+
+
+def test_an_unsharded_adapted_policy_syncs_merging_one_layer_at_a_time(tiny_model_dir, monkeypatch):
+    """Issue 54 (7): on one GPU the LoRA policy is not sharded, so its weights came as one chunk and
+    every targeted weight's merged copy was alive at once (~12 GiB at 7B). The sync now merges one
+    decoder layer at a time; the weights it hands over are the same, bit for bit."""
+    import rlver.modeling.lora as lora
+
+    model = adapted(tiny_model_dir)
+    parts: list[set[str]] = []
+    merge = lora.merged_state_dict
+
+    def recording_merge(state, scaling):
+        parts.append(
+            {name.split(".layers.")[1].split(".")[0] if ".layers." in name else "-" for name in state}
+        )
+        return merge(state, scaling)
+
+    monkeypatch.setattr(lora, "merged_state_dict", recording_merge)
+    streamed = dict(lora.inference_weights(model, torch.float32))
+    monkeypatch.setattr(lora, "merged_state_dict", merge)
+    assert streamed.keys() == inference_state_dict(model).keys()
+    for name, tensor in inference_state_dict(model).items():
+        assert torch.equal(streamed[name], tensor.float()), name
+    layers = model.config.num_hidden_layers
+    assert len(parts) == layers + 1  # each layer alone; the embeddings, the norm and the head together
+    assert all(len(part) == 1 for part in parts)

@@ -9,6 +9,7 @@ With the adapter switched off the same network is the base model: the KL referen
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -136,10 +137,26 @@ def inference_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[st
         config = inner.peft_config[_ADAPTER]
         scaling = config.lora_alpha / config.r
     for chunk in iter_full_weights(model):
-        # A unit holds a layer's base weights and its adapters together, so each merges alone.
-        weights = merged_state_dict(chunk, scaling) if scaling is not None else chunk
-        for name, tensor in weights.items():
-            yield name, tensor.to(dtype=dtype, copy=True)
+        # A unit holds a layer's base weights and its adapters together, so each merges alone. An
+        # unsharded model is one chunk: it merges layer by layer too, or every targeted weight's
+        # merged copy would be alive at once (about 12 GiB for a 7B model on one GPU).
+        for part in by_layer(chunk) if scaling is not None else (chunk,):
+            weights = merged_state_dict(part, scaling) if scaling is not None else part
+            for name, tensor in weights.items():
+                yield name, tensor.to(dtype=dtype, copy=True)
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")  # `...layers.<n>.`: the first numbered module on the path
+
+
+def by_layer(chunk: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+    """`chunk` split by decoder layer (the first numbered module in a name; the rest together),
+    in the chunk's order. A layer's base weights and its adapters stay in one part."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in chunk.items():
+        found = _LAYER.match(name)
+        parts.setdefault(found.group(1) if found else "", {})[name] = tensor
+    yield from parts.values()
 
 
 def trainable_names(model: nn.Module) -> set[str]:

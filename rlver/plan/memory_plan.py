@@ -59,7 +59,7 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
   copy in e + vLLM's reload copy of its largest module (it materialises one module at a time
   before copying into the live weights: V x h x e, the embeddings or LM head). Unsharded full
   fine-tuning streams the parameters themselves (one layer's cast copies, D x e); unsharded LoRA
-  first merges every targeted weight (x m). At train start the engine already holds the weights
+  merges one layer's targeted weights at a time (x m). At train start the engine already holds the weights
   it loaded from disk: no sync, unless a checkpoint was restored.
 - checkpoint (after the step's sync was deferred: the engine asleep): resident + engine asleep +
   FSDP1's optimizer-state gather: `state_dict_type: sharded` still all-gathers each unit's flat
@@ -247,7 +247,8 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     if sharded:  # gathered in m (summon_full_params), cast to e; LoRA merges a copy first
         streamed = largest_unit * (m + s.engine_bytes + (m if s.lora_rank is not None else 0))
     elif s.lora_rank is not None:
-        streamed = arch.lora_targeted_weights(s.lora_targets) * m + layer * s.engine_bytes
+        # merged one decoder layer at a time (rlver.modeling.lora.inference_weights)
+        streamed = arch.lora_targeted_weights(s.lora_targets) / arch.num_layers * m + layer * s.engine_bytes
     else:
         streamed = layer * s.engine_bytes
     if own_weights:
