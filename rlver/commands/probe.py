@@ -14,10 +14,10 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from rlver.commands.rollout import _resolve_device, add_recipe_sections, build_runner
 from rlver.core.plugins import plain_config
 from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
@@ -28,7 +28,6 @@ from rlver.rollout.transcripts import TranscriptWriter
 from rlver.train.module import RLVERModule
 
 STRATEGIES = ("sympathy", "parrot", "sycophancy", "advice", "refusal", "repeat", "minimal")
-_TRAINING_SECTIONS = ("trainer", "optimizer", "lr_scheduler", "ckpt_path", "seed_everything")
 
 
 @dataclasses.dataclass
@@ -67,17 +66,11 @@ def probe_parser() -> ArgumentParser:
         "--out", type=str | None, default=None, help="A folder for transcripts and a JSON table."
     )
     parser.add_argument("--device", type=str, default="auto", help="cpu, cuda, or auto.")
-    parser.add_class_arguments(RLVERModule, "model")
-    parser.add_class_arguments(ProfileDataModule, "data")
-    for section in _TRAINING_SECTIONS:
-        parser.add_argument(
-            f"--{section}", type=Any, default=None, help="(read by `rlver fit`; ignored here)"
-        )
+    add_recipe_sections(parser)
     return parser
 
 
 def probe_command(argv: Sequence[str]) -> int:
-    from rlver.commands.rollout import _resolve_device, build_runner
     from rlver.modeling.models import load_policy
 
     parser = probe_parser()

@@ -87,14 +87,19 @@ def rollout_parser() -> ArgumentParser:
         default=None,
         help="Talk with the policy of an `rlver fit` checkpoint instead of --model.policy's weights.",
     )
-    # The same model and data sections as `rlver fit`, so one recipe serves both commands.
+    add_recipe_sections(parser)
+    return parser
+
+
+def add_recipe_sections(parser: ArgumentParser) -> None:
+    """The same model and data sections as `rlver fit`, so one recipe serves every command;
+    the training-only sections are read past."""
     parser.add_class_arguments(RLVERModule, "model")
     parser.add_class_arguments(ProfileDataModule, "data")
     for section in _TRAINING_SECTIONS:
         parser.add_argument(
             f"--{section}", type=Any, default=None, help="(read by `rlver fit`; ignored here)"
         )
-    return parser
 
 
 def rollout_command(argv: Sequence[str]) -> int:
