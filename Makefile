@@ -51,7 +51,7 @@ quickstart: setup
 # The project's own modules as bytecode too (a second when nothing changed): where Python may not write
 # it (PYTHONDONTWRITEBYTECODE), every interpreter the suite starts would compile them again.
 bytecode: setup
-	$(PY) -m compileall -q rlver plugins tests benchmarks >/dev/null
+	$(PY) -m compileall -q rlver plugins tests benchmarks tools >/dev/null
 
 # Three workers (pytest-xdist) on two cores, one OpenMP thread each: a slow test waits at times (a
 # rank at a rendezvous, a server's answer, a checkpoint's fsync) and a third worker fills those
@@ -72,8 +72,8 @@ wheel-check: setup
 
 # lint-imports: the layering contracts in pyproject.toml ([tool.importlinter]); no cache file in the repo.
 lint: setup
-	$(VENV)/bin/ruff check rlver plugins tests benchmarks .ci
-	$(VENV)/bin/ruff format --check rlver plugins tests benchmarks .ci
+	$(VENV)/bin/ruff check rlver plugins tests benchmarks tools .ci
+	$(VENV)/bin/ruff format --check rlver plugins tests benchmarks tools .ci
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 # The plugin contract and the maths, typed (mypy; settings in pyproject.toml).

@@ -21,7 +21,7 @@ built wheel instead:
 
 Run from anywhere (takes about 20 s):  .venv/bin/python .ci/wheel_check.py
 Exits 1 with a message naming what is wrong. `--pyproject FILE` builds with another
-pyproject.toml (tests/test_packaging.py uses it to show a forgotten package fails the check).
+pyproject.toml (tests/integration/test_packaging.py uses it to show a forgotten package fails the check).
 """
 
 from __future__ import annotations

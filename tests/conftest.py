@@ -206,7 +206,7 @@ def _warm_launcher():
     if _launcher is None:
         import atexit
 
-        from tests.warm_launcher import WarmLauncher
+        from tests.harness.warm_launcher import WarmLauncher
 
         _launcher = WarmLauncher(str(REPO))
         atexit.register(_launcher.close)
@@ -216,7 +216,7 @@ def _warm_launcher():
 def run_rlver(argv, *, cwd=REPO, env=None, timeout=1800, fresh=False, file_size_limit=None):
     """`rlver <argv>` in a new process, as `subprocess.run(capture_output=True, text=True)`.
 
-    Forked from this worker's warm launcher (tests/warm_launcher.py: the imports already made,
+    Forked from this worker's warm launcher (tests/harness/warm_launcher.py: the imports already made,
     about 7 s a launch saved) unless `fresh` or the launch could depend on import-time state.
     The timeout only catches a hang (it raises subprocess.TimeoutExpired). `file_size_limit`:
     the process's RLIMIT_FSIZE in bytes (a full disk's failed writes).

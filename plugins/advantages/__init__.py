@@ -152,7 +152,7 @@ class TurnCreditEstimator(AdvantageEstimator):
     baseline), and crediting a turn with its own reward alone, ranked against the dialogues
     still talking at that index: a reply that ends the dialogue early with a small gain then
     outranks one that sets up a larger gain later, since the later gain is only ever compared
-    with other survivors (tests/test_turn_credit.py builds that case). The scale is positive
+    with other survivors (tests/unit/test_turn_credit.py builds that case). The scale is positive
     and independent of i too: it weights a group's gradient, it does not turn it.
 
     The divisor's floor is relative to the reward's scale: `relative_std_floor` times the larger

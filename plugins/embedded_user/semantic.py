@@ -26,12 +26,12 @@ Features (FEATURES), each a plain number:
                move differently after the first reply; without it `repeat`, 0 at the first
                reply, stood in for it and earned repeating a positive weight)
 
-The map (calibration.json) is fitted by benchmarks/calibrate_embedded_user.py on the tune split
+The map (calibration.json) is fitted by tools/calibrate_embedded_user.py on the tune split
 of the shared recorded dialogues only (rlver.evaluate.agreement.split_of); the held-out split measures it.
 The rubric's change enters with a fixed weight of 0.5. Cross-validated on the tune split, a
 smaller share agrees with SAGE a little better (per-turn r 0.61 at 0, 0.60 at 0.25, 0.58 at
 0.5, 0.49 at 1), but below 0.5 a reply that violates the user's need beat one that meets it on two
-of the eight themes (tests/test_semantic_user.py): recorded LLM replies are all competent, so
+of the eight themes (tests/plugins/test_semantic_user.py): recorded LLM replies are all competent, so
 the map learns little about bad ones, and the rubric's share is what tells them apart.
 Guards against gaming stay in charge, never the map: a garbled or buzzword-stuffed reply gets
 the rubric's verdict; a reply that hands the user's own message back (cosine >= 0.85) or repeats

@@ -6,7 +6,7 @@ prompt is long. Scoring and the update ran the model over that prompt once per r
 shared part runs once, as a batch of one, and its keys and values are repeated for every row
 before the rows' own tokens run on top of them; autograd sums the rows' gradients through the
 repetition, so the result is the same function of the weights as the plain pass (equal within
-float rounding: tests/test_ppo_update.py, and under DDP and FSDP: tests/test_distributed.py).
+float rounding: tests/unit/test_ppo_update.py, and under DDP and FSDP: tests/integration/test_distributed.py).
 
 It applies where it is exact and cheap to check: a model whose cache is Hugging Face's plain
 `DynamicCache` of full-attention layers (not sliding windows, linear attention or state-space
@@ -58,7 +58,7 @@ def two_passes_unsafe(model: torch.nn.Module) -> bool:
     layer's weights for its backward when the gradient reaches the layer's output, but the rows'
     gradient enters the prompt's pass at its keys and values, inside the layers, where the weights
     are already freed. DDP takes both passes, and without gradients FSDP does too
-    (tests/test_distributed.py)."""
+    (tests/integration/test_distributed.py)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     grads = torch.is_grad_enabled()

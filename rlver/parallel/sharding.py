@@ -1,7 +1,7 @@
 """Sharding: which flavour a module uses, wrapping it, and the CPU-capable FSDP strategy.
 
 Two sharding flavours are supported, both measured on CPU (2 processes, gloo) with torch 2.13
-and Lightning 2.6.6 (tests/test_distributed.py):
+and Lightning 2.6.6 (tests/integration/test_distributed.py):
 
 * FSDP1 (`FullyShardedDataParallel`) under Lightning's `FSDPStrategy`. The policy (and critic)
   must be wrapped in `configure_model` (`shard_for_strategy`), each as its own FSDP root, with

@@ -73,7 +73,7 @@ float32 weights, CUDA graphs beyond vLLM's budget, LoRA dropout copies.
 T is what torch reports as the GPU's total memory: 79.3 GiB on an "80 GB" card (`rlver plan`'s
 default off a GPU), not 80.
 
-Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 79.3 GiB; tests/test_plan.py
+Worked example, recipes/ppo_think.yaml (float32 weights, 32 GPUs of 79.3 GiB; tests/recipes/test_plan.py
 derives every figure): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; engine awake 0.55 x
 79.3 = 43.6 (its KV cache must hold one 32,768-token sequence: 1.75 GiB); rollout 51.5; scoring
 26.7 (logits 2 x 8192 x 152064 x 4 B + the head's float32 copy 152064 x 3584 x 4 B + 1024 x

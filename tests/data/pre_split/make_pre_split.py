@@ -10,8 +10,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
-from tests.test_multiprocess import run_fit, twin_config  # noqa: E402
-from tests.test_pre_split_resume import make_small_model  # noqa: E402
+from tests.integration.test_multiprocess import run_fit, twin_config  # noqa: E402
+from tests.integration.test_resume_unsplit_module_checkpoint import make_small_model  # noqa: E402
 
 work = Path(tempfile.mkdtemp(prefix="pre_split_"))
 model_dir = make_small_model(work / "model")
