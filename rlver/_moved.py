@@ -48,7 +48,7 @@ MOVED_MODULES = {
     "rlver.stopping": "rlver.checkpoint.stopping",
     "rlver.export": "rlver.checkpoint.export",
     "rlver.rollout_schedule": "rlver.rollout.schedules",
-    "rlver.step_rollouts": "rlver.rollout.step_rollouts",
+    "rlver.step_rollouts": "rlver.train.rollouts",
     "rlver.overlap": "rlver.rollout.overlap",
     "rlver.transcripts": "rlver.rollout.transcripts",
     "rlver.architectures": "rlver.plan.architectures",

@@ -4,7 +4,8 @@ Lightning saves the weights, optimizer and scheduler states and the loops' progr
 batch of which epoch: the data order resumes from it). rlver adds the random generators'
 states, so a resumed run samples what the uninterrupted one would have, and with LoRA the
 adapter settings; it leaves out the frozen base weights, which the model path has.
-It never writes files itself: Lightning's checkpoint IO (`checkpoint_io`) does.
+It never writes files itself: Lightning's checkpoint IO (`checkpoint_io`) does; the module's
+`on_save_checkpoint` / `on_load_checkpoint` call these functions.
 """
 
 from __future__ import annotations
@@ -67,22 +68,20 @@ def drop_frozen_weights(checkpoint: dict[str, Any], networks: Mapping[str, torch
         del state[key]
 
 
-class CheckpointHooks:
-    """The LightningModule's checkpoint hooks, mixed into `RLVERModule`."""
+def keep_trained_weights(
+    checkpoint: dict[str, Any],
+    lora: LoraSettings | None,
+    networks: Mapping[str, torch.nn.Module | None],
+    strategy: Any,
+) -> None:
+    """With LoRA: the adapter settings, and of `networks` only the trained tensors.
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[RNG_KEY] = rng_state()
-        self.save_pending_rollout(checkpoint)  # the overlapped mode's next-step dialogues
-        if self.lora is None:
-            return
-        add_lora_settings(checkpoint, self.lora)
-        if is_sharded(self.policy_model) and writes_sharded_checkpoints(self.trainer.strategy):
-            # torch's distributed checkpoint loader asks for every key the sharded model
-            # has: a sharded checkpoint keeps the frozen base (the optimizer state does not).
-            return
-        drop_frozen_weights(checkpoint, {"policy_model": self.policy_model, "value_model": self.value_model})
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.configure_model()  # weights are loaded into the networks right after this hook
-        restore_rng_state(checkpoint.get(RNG_KEY))
-        self.load_pending_rollout(checkpoint)
+    A sharded checkpoint keeps the frozen base: torch's distributed checkpoint loader asks for
+    every key the sharded model has (the optimizer state still holds only the adapter's).
+    """
+    if lora is None:
+        return
+    add_lora_settings(checkpoint, lora)
+    if is_sharded(networks["policy_model"]) and writes_sharded_checkpoints(strategy):
+        return
+    drop_frozen_weights(checkpoint, networks)

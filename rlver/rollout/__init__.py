@@ -1,6 +1,7 @@
 """Dialogues between the policy and simulated users: the runner (`runner`), when each reply is
-sampled (`schedules`, `dialogue`), one step's rollouts (`step_rollouts`), rollouts overlapped
-with the update (`overlap`), and the transcript formats (`transcripts`).
+sampled (`schedules`, `dialogue`), the pieces of rollouts overlapped with the update (`overlap`:
+the pipeline, the correction, the snapshot) and the transcript formats (`transcripts`). A training
+step's use of them is the training side's (`rlver.train.rollouts`).
 
 May import `rlver.core`, `rlver.data`, `rlver.parallel`, `rlver.modeling` and `rlver.checkpoint`
 (the graceful stop). Never imports the training side (`rlver.train`) nor the planner.

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,14 +34,10 @@ from typing import Any
 
 import torch
 
-from rlver.checkpoint.stopping import run_unless_stopped
 from rlver.core.interfaces import ParsedReply
-from rlver.core.plugins import get_registry
 from rlver.core.trajectory import PolicyTurn, Trajectory
 from rlver.core.types import Profile, UserTurn
 from rlver.modeling.models import Policy
-from rlver.parallel.hang_watch import turn_progress
-from rlver.parallel.sharding import is_sharded
 from rlver.rollout.runner import RolloutRunner
 
 PENDING_KEY = "rlver_overlap_pending"
@@ -219,144 +214,15 @@ def trajectories_from_json(text: str) -> list[Trajectory]:
     return [trajectory(state) for state in json.loads(text)]
 
 
-class OverlapHooks:
-    """The overlapped mode's part of `RLVERModule` (mixed in; inactive when `overlap` is None)."""
-
-    def _overlapped_roll_out(self, dialogues: list[Profile], step: int, seconds: dict) -> Any:
-        """This step's dialogues (the ones rolled out ahead, if they are these) and, when no
-        rollout is left ahead, the start of the next steps'; (trajectories, weights step), or
-        None on a stop."""
-
-        pipeline: RolloutPipeline = self.pipeline
-        started = time.perf_counter()
-        sampled_by: list[int] = []
-
-        def run(should_stop: Any) -> list[Trajectory]:
-            pending = pipeline.matching(step, dialogues)
-            if pending is not None:
-                sampled_by.append(pending.weights_step)
-                seconds.update(generate=pending.timings["generate"], simulator=pending.timings["simulator"])
-                return pending.result()
-            pipeline.wait()  # the engine's weights change only when no rollout runs
-            sync_started = time.perf_counter()
-            self._sync_engine_for_rollout()
-            seconds["weight_sync"] = time.perf_counter() - sync_started
-            sampled_by.append(step)
-            with self._generation_weights():
-                trajectories = self.runner.run(
-                    dialogues, seed=self._rollout_seed(step), group_size=self.hparams.group_size,
-                    should_stop=should_stop,
-                )  # fmt: skip
-            seconds.update(
-                generate=self.runner.timings["generate"], simulator=self.runner.timings["simulator"]
-            )
-            return trajectories
-
-        trajectories, fatal = run_unless_stopped(run, self._trainer, self._gather_objects)
-        self.fatal_error = fatal or self.fatal_error
-        if trajectories is None:
-            return None
-        pipeline.finish(step)
-        seconds["rollout"] = time.perf_counter() - started  # the trainer's wait, not the rollout's length
-        get_registry().call_observers("rlver_on_rollout_end", trajectories=trajectories, step=step)
-        if not pipeline.pending:
-            sync_started = time.perf_counter()
-            self._start_rollouts_ahead(step + 1)
-            seconds["weight_sync"] = seconds.get("weight_sync", 0.0) + time.perf_counter() - sync_started
-        return trajectories, sampled_by[0]
-
-    def _start_rollouts_ahead(self, first_step: int) -> None:
-        """Start the rollouts of steps first_step .. first_step + max_staleness - 1 (those
-        before `max_steps`) with the weights of now."""
-        trainer = self._trainer
-        last = first_step + self.overlap.max_staleness
-        if trainer is not None and trainer.max_steps > 0:
-            last = min(last, trainer.max_steps)
-        if trainer is None or first_step >= last:
-            return
-        datamodule = getattr(trainer, "datamodule", None)
-        if not hasattr(datamodule, "train_batch_at"):
-            raise ValueError("--model.overlap needs rlver's ProfileDataModule (it foresees the next batch)")
-        self._sync_engine_for_rollout()
-        for step in range(first_step, last):
-            dialogues = self._step_dialogues(datamodule.train_batch_at(step), step)
-            runner = self.background_runners[step % len(self.background_runners)]
-            run = _background_run(
-                runner, dialogues, self._rollout_seed(step), self.hparams.group_size, turn_progress(trainer)
-            )
-            self.pipeline.start(step, dialogues, weights_step=self.global_step, run=run)
-
-    def _sync_engine_for_rollout(self) -> None:
-        if self.snapshot is not None:
-            self.snapshot.refresh()
-        else:
-            self.runner.engine.sync_weights()
-
-    def _corrected_advantages(
-        self, advantages: torch.Tensor, proximal: torch.Tensor, batch: Any, sampled_by: int, metrics: dict
-    ) -> torch.Tensor:
-        staleness = self.global_step - sampled_by
-        return behaviour_correction(
-            advantages, proximal, batch.engine_logprobs, batch.loss_mask, staleness,
-            self.overlap.max_importance_weight, metrics,
-        )  # fmt: skip
-
-    def _build_background_runner(self, policy: Policy) -> None:
-        """The runners of the rollouts ahead (one per step in flight, each with its timings),
-        over the module's engine when it holds weights of its own (vLLM), else over an engine
-        on a snapshot copy of the policy; all of them share that one engine."""
-
-        depth = self.overlap.max_staleness
-        self.pipeline, self.snapshot = RolloutPipeline(workers=depth), None
-        if self.runner.engine.samples_from_training_module:
-            if is_sharded(self.policy_model):
-                raise ValueError("--model.overlap with the hf engine needs an unsharded policy; use vllm")
-            self.snapshot = SnapshotPolicy(policy)
-            first = self.rollout_runner(self.snapshot.policy)
-            policy = self.snapshot.policy
-        else:
-            first = self.runner
-        self.background_runners = [
-            RolloutRunner(
-                policy, first.engine, first.simulator, first.prompt_format, first.settings, first.components
-            )
-            for _ in range(depth)
-        ]
-
-    def save_pending_rollout(self, checkpoint: dict[str, Any]) -> None:
-        if self.overlap is None or not self.pipeline.pending:
-            return
-        saved = []
-        for pending in self.pipeline.pending.values():
-            try:
-                trajectories = pending.result()
-            except Exception:
-                return  # a failed rollout ahead: the resumed run rolls those steps out again
-            saved.append(
-                {"step": pending.step, "weights_step": pending.weights_step,
-                 "trajectories": trajectories_to_json(trajectories)}
-            )  # fmt: skip
-        checkpoint[PENDING_KEY] = saved
-
-    def load_pending_rollout(self, checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get(PENDING_KEY)
-        if self.overlap is None or saved is None:
-            return
-        for state in [saved] if isinstance(saved, dict) else saved:  # a dict: one, as first written
-            trajectories = trajectories_from_json(state["trajectories"])
-            profiles = [t.profile for t in trajectories]
-            self.pipeline.pending[state["step"]] = PendingRollout(
-                state["step"], profiles, state["weights_step"], trajectories=trajectories
-            )
-
-
-def _background_run(
+def background_run(
     runner: RolloutRunner,
     dialogues: list[Profile],
     seed: int,
     group_size: int,
     on_turn: Callable | None = None,
 ) -> Callable:
+    """`run(timings)` for the pipeline: `runner`'s dialogues, its timings filled in after."""
+
     def run(timings: dict) -> list[Trajectory]:
         trajectories = runner.run(dialogues, seed=seed, group_size=group_size, on_turn=on_turn)
         timings.update(runner.timings)

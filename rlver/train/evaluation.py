@@ -19,7 +19,7 @@ from rlver.evaluate.score import score_records, with_intervals
 from rlver.parallel.hang_watch import turn_progress
 from rlver.rollout.runner import RolloutSettings
 from rlver.rollout.transcripts import to_sage_record
-from rlver.train.run_log import rollout_metrics, simulator_errors
+from rlver.train.run_log import rollout_metrics, simulator_errors, simulator_metrics
 
 
 def evaluation_settings(settings: RolloutSettings, temperature: float) -> RolloutSettings:
@@ -102,52 +102,77 @@ def sentient_output(
     )
 
 
-class EvaluationHooks:
-    """The LightningModule's validation and test hooks, mixed into `RLVERModule`.
+class Evaluator:
+    """Validation and test dialogues, and the Sentient benchmark's output (a part of
+    `RLVERModule`, `module.evaluator`).
 
-    They use the module's rollout runner, hyperparameters, rank and logging helpers.
+    Args:
+        module: The LightningModule (its step and Trainer are read).
+        rollouts: The module's rollouts (their runner samples the evaluation dialogues).
+        run_log: Where metrics and transcripts go.
+        ranks: The module's collectives.
+        settings: The training rollouts' settings; evaluation changes only the temperature.
+        temperature: The evaluation temperature (0: greedy).
+        rewards: The summed reward of dialogues (for `<split>/reward`).
+        simulator: The user simulator (its counters are logged).
+        policy: The policy's name or path (names the test records).
+        judge: `rlver test`'s dialogue judge spec, or None.
     """
 
-    def validation_step(self, batch: list[Any], batch_idx: int) -> None:
-        self._evaluate(batch, batch_idx, "val")
+    def __init__(
+        self,
+        module: Any,
+        rollouts: Any,
+        run_log: Any,
+        ranks: Any,
+        settings: RolloutSettings,
+        temperature: float,
+        rewards: Callable[[Sequence[Trajectory]], Any],
+        simulator: Any,
+        policy: str,
+        judge: Any,
+    ) -> None:
+        self.module, self.rollouts, self.run_log, self.ranks = module, rollouts, run_log, ranks
+        self.settings = evaluation_settings(settings, temperature)
+        self.seed, self.rewards, self.simulator = settings.seed, rewards, simulator
+        self.policy, self.judge = policy, plain_config(judge)
+        self.test_trajectories: list[Trajectory] = []
 
-    def test_step(self, batch: list[Any], batch_idx: int) -> None:
-        self._evaluate(batch, batch_idx, "test")
+    def dialogues(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:
+        """Dialogues with `profiles` at the evaluation temperature, weights as they are now."""
+        runner = self.rollouts.runner
+        previous, runner.settings = runner.settings, self.settings
+        try:
+            with self.rollouts.generation_weights():
+                return runner.run(list(profiles), seed=seed, on_turn=turn_progress(self.module._trainer))
+        finally:
+            runner.settings = previous
 
-    def on_test_epoch_start(self) -> None:
-        self._test_trajectories: list[Trajectory] = []
-        judge = plain_config(self.hparams.get("judge"))  # a bad spec fails now, not after the dialogues
-        if judge is not None:
-            check_judge_spec(judge, "--model.judge")
+    def evaluate(self, batch: Sequence[Any], batch_idx: int, split: str) -> None:
+        """One validation or test batch: its dialogues, transcripts and `<split>/` metrics."""
+        step = self.module.global_step
+        seed = run_seed(self.seed) + 7919 * self.ranks.rank + batch_idx
+        trajectories = self.dialogues(list(batch), seed=seed)
+        self.run_log.append_transcripts(f"{split}_step{step}", trajectories, step)
+        if split == "test":
+            self.test_trajectories.extend(trajectories)
+        metrics = evaluation_metrics(trajectories, split, self.rewards)
+        metrics.update(simulator_metrics(self.simulator))
+        self.run_log.log_metrics(metrics, on_epoch=True, on_step=False)
 
-    def on_test_epoch_end(self) -> None:
+    def start_test(self) -> None:
+        self.test_trajectories = []
+        if self.judge is not None:  # a bad spec fails now, not after the dialogues
+            check_judge_spec(self.judge, "--model.judge")
+
+    def end_test(self) -> None:
         """Sentient-benchmark output: SAGE-format records per rank, scores of all ranks' dialogues."""
         sentient_output(
-            self._test_trajectories,
-            self._log_dir(),
-            self.hparams.policy,
-            self.global_rank,
-            self.trainer.world_size,
-            self._gather_objects,
-            plain_config(self.hparams.get("judge")),
+            self.test_trajectories,
+            self.run_log.log_dir(),
+            self.policy,
+            self.ranks.rank,
+            self.module.trainer.world_size,
+            self.ranks.gather_objects,
+            self.judge,
         )
-
-    def evaluation_rollouts(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:
-        """Dialogues with `profiles` at `eval_temperature` (greedy by default), weights as they are now."""
-        eval_settings = evaluation_settings(self.rollout_settings, self.hparams.eval_temperature)
-        previous, self.runner.settings = self.runner.settings, eval_settings
-        try:
-            with self._generation_weights():
-                return self.runner.run(list(profiles), seed=seed, on_turn=turn_progress(self._trainer))
-        finally:
-            self.runner.settings = previous
-
-    def _evaluate(self, batch: Sequence[Any], batch_idx: int, split: str) -> None:
-        seed = run_seed(self.rollout_settings.seed) + 7919 * self.global_rank + batch_idx
-        trajectories = self.evaluation_rollouts(list(batch), seed=seed)
-        self._append_transcripts(f"{split}_step{self.global_step}", trajectories, self.global_step)
-        if split == "test":
-            self._test_trajectories.extend(trajectories)
-        metrics = evaluation_metrics(trajectories, split, lambda dialogues: self._score(dialogues, {}))
-        metrics.update(self._simulator_metrics())
-        self._log_metrics(metrics, on_epoch=True, on_step=False)

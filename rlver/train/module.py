@@ -6,12 +6,13 @@ so a group is always whole on one rank; logged metrics are reduced across
 ranks. Only the last actor optimizer step of an iteration advances
 `trainer.global_step`, so `max_steps` counts RL iterations, not minibatches.
 
-The steps' work is done elsewhere: `scoring` (rewards, old log-probs and values,
-advantages), `ppo_update` (the update), `run_log` (metrics, transcripts, samples),
-`evaluation` (validation, the Sentient test), `checkpoint_state`, `networks` and `ranks`;
-the hooks of the last three concerns are mixed in from their modules (`RunLogHooks`,
-`EvaluationHooks`, `CheckpointHooks`). This file holds the algorithm's order only: it
-never computes a loss, a reward or a metric itself.
+The module owns its parts, one concern each, and `training_step` names the owner of every
+call: `self.rollouts` (the step's dialogues, their seeds, the steps rolled out ahead;
+rlver.train.rollouts), `self.policy_update` (token scores, the PPO epochs, the optimizer steps;
+rlver.train.policy_update), `self.run_log` (metrics, transcripts, samples; rlver.train.run_log),
+`self.evaluator` (validation, the Sentient test; rlver.train.evaluation) and `self.ranks` (the
+collectives; rlver.train.ranks). The numbered steps are docs/architecture.md's step table. This
+file holds the algorithm's order only: it never computes a loss, a reward or a metric itself.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import lightning as L
 import torch
 
 from rlver.checkpoint.io import use_rlver_checkpoint_io
-from rlver.checkpoint.state import CheckpointHooks
+from rlver.checkpoint.state import RNG_KEY, keep_trained_weights, restore_rng_state, rng_state
 from rlver.core.console import phase
 from rlver.core.interfaces import RolloutEngine, SimulatorUnavailable, StopRequested
 from rlver.core.plugins import get_registry, implementing
 from rlver.core.trajectory import Trajectory
 from rlver.core.types import Profile
-from rlver.modeling.batch import RolloutBatch
 from rlver.modeling.critic import ValueModel
 from rlver.modeling.lora import LoraSettings
 from rlver.modeling.models import Policy, resolve_model_path
@@ -42,38 +42,34 @@ from rlver.modeling.networks import (
 from rlver.parallel.sharding import shard_for_strategy
 from rlver.plan.memory_plan import check_fits
 from rlver.rollout.gaming import gaming_shares
-from rlver.rollout.overlap import OverlapSettings, RolloutPipeline, engine_for_overlap
+from rlver.rollout.overlap import OverlapSettings, engine_for_overlap
 from rlver.rollout.runner import RolloutRunner, RolloutSettings
-from rlver.rollout.step_rollouts import StepRollouts
-from rlver.train import ranks
 from rlver.train.components import (
     ComponentSpec,
     build_components,
     checked_settings,
     overlap_settings,
 )
-from rlver.train.evaluation import EvaluationHooks
-from rlver.train.ppo_update import PPOSettings, actor_loss, ppo_update
+from rlver.train.evaluation import Evaluator
+from rlver.train.policy_update import PolicyUpdate
+from rlver.train.ppo_update import PPOSettings, actor_loss
+from rlver.train.ranks import Ranks
+from rlver.train.rollouts import StepRollouts
 from rlver.train.run_log import (
-    RunLogHooks,
+    RunLog,
     merge_rank_metrics,
     perf_metrics,
+    rank_difficulty_metrics,
     rollout_metrics,
     simulator_errors,
+    simulator_metrics,
 )
-from rlver.train.scoring import (
-    logprob_metrics,
-    on_policy_update,
-    score_dialogues,
-    score_tokens,
-    token_advantages,
-    training_batch,
-)
+from rlver.train.scoring import logprob_metrics, score_dialogues, token_advantages, training_batch
 
 __all__ = ["PPOSettings", "RLVERModule", "actor_loss", "merge_rank_metrics"]  # the last three: re-exported
 
 
-class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L.LightningModule):
+class RLVERModule(L.LightningModule):
     """Trains a chat policy against simulated users with PPO (critic + GAE) or GRPO.
 
     Args:
@@ -154,8 +150,6 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             curriculum, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
         )  # fmt: skip
         self.overlap, self.ppo = overlap_settings(overlap, self.ppo)
-        self.pipeline, self.snapshot = RolloutPipeline(), None  # the overlapped mode's steps ahead
-        self.fatal_error: SimulatorUnavailable | None = None  # what stopped the run, if not a signal
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
         self.strict_loading = self.lora is None
         components = build_components(
@@ -169,7 +163,37 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         self.value_model: ValueModel | None = None
         self._reference: list[torch.nn.Module] = []  # a list keeps it out of state_dict and checkpoints
         self.tokenizer: Any = None
-        self.runner: RolloutRunner | None = None
+        # The parts, one concern each (they read the networks and the Trainer at each call)
+        self.ranks = Ranks(self)
+        self.rollouts = StepRollouts(
+            self, self.ranks, self.rollout_runner, self.rollout_settings.seed, group_size, self.curriculum,
+            self.overlap,
+        )  # fmt: skip
+        self.policy_update = PolicyUpdate(
+            self, self.ranks, self.ppo, self.rollout_settings.temperature,
+            adapter_off_reference=self.lora is not None and self.ppo.kl_coef > 0,
+        )  # fmt: skip
+        self.run_log = RunLog(self, self.ranks, log_samples_every_n_steps)
+        self.evaluator = Evaluator(
+            self, self.rollouts, self.run_log, self.ranks, self.rollout_settings, eval_temperature,
+            rewards=lambda dialogues: self.dialogue_rewards(dialogues, {}), simulator=self.simulator,
+            policy=policy, judge=judge,
+        )  # fmt: skip
+
+    @property
+    def runner(self) -> RolloutRunner | None:
+        """The rollout runner (for callbacks: e.g. `BeforeAfter` syncs its engine)."""
+        return self.rollouts.runner
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen reference network, when the KL term needs one of its own."""
+        return self._reference[0] if self._reference else None
+
+    @property
+    def fatal_error(self) -> SimulatorUnavailable | None:
+        """What stopped the run, if not a signal (the simulator gone)."""
+        return self.rollouts.fatal_error
 
     @property
     def uses_critic(self) -> bool:
@@ -229,7 +253,7 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
         if stage == "fit":
             self._check_training_precision()
             check_fits(self, self.trainer)  # an OOM after the queue becomes one line at start (GPUs)
-        ranks.share_cpu_cores(self._trainer, self.device)
+        self.ranks.share_cpu_cores()
         if self._trainer is not None:
             use_rlver_checkpoint_io(self.trainer.strategy)  # `--ckpt_path <FSDP folder>` anywhere
         engine = self.component_specs["engine"]
@@ -244,12 +268,8 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
                 path=resolve_model_path(self.hparams.policy),
                 name=str(self.hparams.policy),
             )
-            self.runner = self.rollout_runner(policy)
-            # Asleep until the first rollout (a no-op where the engine never sleeps): a resumed
-            # run restores the optimizer's state into the memory the engine would hold
-            self.runner.engine.release_memory()
-            if self.overlap is not None:
-                self._build_background_runner(policy)
+            # asleep until the first rollout (a no-op where the engine never sleeps)
+            self.rollouts.build(policy)
 
     def collective_timeout_seconds(self) -> float | None:
         """How long one rank may be kept by a dead simulator endpoint, plus 10 min (None: no bound).
@@ -281,21 +301,49 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
             self.runner.engine.sync_weights()
 
     def on_validation_start(self) -> None:
-        self.pipeline.wait()  # the next step's rollout, if one runs, has the engine until it ends
+        self.rollouts.pipeline.wait()  # the next step's rollout, if one runs, has the engine until it ends
         self.runner.engine.sync_weights()
 
     def on_validation_end(self) -> None:
         self.runner.engine.release_memory()  # a checkpoint on the validation metric comes next
 
     def on_test_start(self) -> None:
-        self.pipeline.wait()
+        self.rollouts.pipeline.wait()
         self.runner.engine.sync_weights()
 
     def on_test_end(self) -> None:
         self.runner.engine.release_memory()
 
     def on_train_end(self) -> None:
-        self.pipeline.drop()
+        self.rollouts.pipeline.drop()
+
+    def validation_step(self, batch: list[Any], batch_idx: int) -> None:
+        self.evaluator.evaluate(batch, batch_idx, "val")
+
+    def test_step(self, batch: list[Any], batch_idx: int) -> None:
+        self.evaluator.evaluate(batch, batch_idx, "test")
+
+    def on_test_epoch_start(self) -> None:
+        self.evaluator.start_test()
+
+    def on_test_epoch_end(self) -> None:
+        self.evaluator.end_test()
+
+    def evaluation_rollouts(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:
+        """Dialogues with `profiles` at `eval_temperature` (greedy by default), weights as they are
+        now (for callbacks: `BeforeAfter` scores the policy with it)."""
+        return self.evaluator.dialogues(profiles, seed)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RNG_KEY] = rng_state()
+        self.rollouts.save_pending(checkpoint)  # the overlapped mode's next-step dialogues
+        networks = {"policy_model": self.policy_model, "value_model": self.value_model}
+        keep_trained_weights(checkpoint, self.lora, networks, self.trainer.strategy)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.configure_model()  # weights are loaded into the networks right after this hook
+        restore_rng_state(checkpoint.get(RNG_KEY))
+        self.rollouts.load_pending(checkpoint)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -314,129 +362,80 @@ class RLVERModule(RunLogHooks, EvaluationHooks, CheckpointHooks, StepRollouts, L
 
         # 1. a batch of profiles, each at its curriculum level; each repeated group_size times
         #    as a group sharing persona, opening and level
-        dialogues = self._step_dialogues(batch, step)
-        group_ids = torch.tensor([i // self.hparams.group_size for i in range(len(dialogues))])
+        dialogues = self.rollouts.step_dialogues(batch, step)
+        group_ids = self.rollouts.group_ids(len(dialogues))
 
         # 2. roll out the dialogues with the engine plugin; a stop asked for now (SIGTERM,
         #    Ctrl-C) drops the step, which has changed nothing yet, on every rank together
         #    (overlapped: the ones rolled out during the last update; the next step's start)
-        rolled_out = self._roll_out(dialogues, step, seconds)
+        rolled_out = self.rollouts.roll_out(dialogues, step, seconds)
         if rolled_out is None:
             return  # GracefulStop checkpoints the state as of the last finished step, and stops
         trajectories, sampled_by = rolled_out
         metrics = rollout_metrics(trajectories, prefix="rollout")
         metrics.update(gaming_shares(trajectories).metrics())  # what the replies show (rollout.gaming)
         if self.curriculum is not None:
-            metrics.update(self._difficulty_metrics(trajectories))
+            metrics.update(
+                rank_difficulty_metrics(trajectories, self.curriculum.levels, self.ranks, self.device)
+            )
         metrics["rollout/simulator_errors"] = simulator_errors(trajectories)
-        metrics.update(self._simulator_metrics())
+        metrics.update(simulator_metrics(self.simulator))
 
         # 3. score the dialogues with the reward plugins (weighted sum); a dialogue the
         #    simulator failed on stays out of the loss, the baselines and the statistics
         update_started = time.perf_counter()
-        data = training_batch(trajectories, group_ids, self._score, self.tokenizer.pad_token_id, metrics)
+        data = training_batch(
+            trajectories, group_ids, self.dialogue_rewards, self.tokenizer.pad_token_id, metrics
+        )
         data.batch = data.batch.to(self.device)
         mask = data.batch.loss_mask
 
         # 4. old log-probs from the sampled ids (left to the update when it is one step from
         #    the sampling policy: its own pass gives them), reference log-probs and values
-        on_policy = self.overlap is None and on_policy_update(
-            self.ppo, data.batch.num_sequences, self.policy_model, self._reduce_max
+        on_policy = self.overlap is None and self.policy_update.starts_on_policy(data.batch)
+        old_logprobs, ref_logprobs, old_values = self.policy_update.score_tokens(
+            data.batch, with_policy=not on_policy
         )
-        old_logprobs, ref_logprobs, old_values = self._score_tokens(data.batch, with_policy=not on_policy)
 
         # 5. advantages on per-dialogue timelines, statistics over every rank's dialogues
+        #    (overlapped: sampled by older weights, so decoupled PPO's correction)
         advantages, returns = token_advantages(
             self.advantage_estimator, data, old_logprobs, ref_logprobs, old_values, self.ppo,
-            self._reduce_sum, metrics, self.rollout_settings.max_turns,
+            self.ranks.reduce_sum, metrics, self.rollout_settings.max_turns,
         )  # fmt: skip
-        if self.overlap is not None:  # sampled by older weights: decoupled PPO's correction
-            advantages = self._corrected_advantages(advantages, old_logprobs, data.batch, sampled_by, metrics)
+        advantages = self.rollouts.corrected_advantages(
+            advantages, old_logprobs, data.batch, sampled_by, metrics
+        )
 
         # 6. PPO epochs over minibatches (in one process, a stop before the first optimizer
         #    step still drops the step); then the engine samples from the updated policy
         policy_logprobs = torch.zeros_like(data.batch.engine_logprobs) if on_policy else old_logprobs
         try:
             metrics.update(
-                self._update(
+                self.policy_update.update(
                     data.batch, old_logprobs, ref_logprobs, advantages, old_values, returns, step=step,
                     logprobs_out=policy_logprobs if on_policy else None,
                 )
             )  # fmt: skip
         except StopRequested:
-            for optimizer in self._optimizer_list():
-                optimizer.zero_grad()
+            self.policy_update.drop_gradients()
             return
         logprob_metrics(
             policy_logprobs, data.batch.engine_logprobs, ref_logprobs, mask, self.ppo.kl_estimator, metrics,
             self.ppo.engine_importance_cap,
         )  # fmt: skip
         sync_started = time.perf_counter()
-        if self.overlap is None:  # overlapped: synced before the next rollout starts (timed there)
-            self.runner.engine.sync_weights()
-            seconds["weight_sync"] = time.perf_counter() - sync_started
+        self.rollouts.sync_after_update(seconds)
         seconds["update"] = sync_started - update_started
 
         # 7. log; written once the step is done: a step dropped by a stop leaves no transcript
         seconds["step"] = time.perf_counter() - started
         metrics.update(perf_metrics(seconds, trajectories, int(mask.sum().item()) * self.ppo.ppo_epochs))
-        self._append_transcripts("train", trajectories, step)
-        self._log_metrics(metrics, step=step)
+        self.run_log.append_transcripts("train", trajectories, step)
+        self.run_log.log_metrics(metrics, step=step)
         get_registry().call_observers("rlver_on_train_step_end", metrics=metrics, step=step)
-        self._log_samples(trajectories, step)
+        self.run_log.log_samples(trajectories, step)
 
-    def _score(self, trajectories: Sequence[Trajectory], metrics: dict[str, float]) -> torch.Tensor:
+    def dialogue_rewards(self, trajectories: Sequence[Trajectory], metrics: dict[str, float]) -> torch.Tensor:
+        """The reward plugins' weighted sum per dialogue (their parts logged into `metrics`)."""
         return score_dialogues(self.reward_functions, trajectories, metrics)
-
-    def _score_tokens(
-        self, batch: RolloutBatch, with_policy: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        return score_tokens(
-            batch,
-            self.policy_model,
-            micro_batch_size=self.ppo.micro_batch_size,
-            temperature=self.rollout_settings.temperature or 1.0,
-            value_model=self.value_model,
-            reference=self._reference[0] if self._reference else None,
-            adapter_off_reference=self.lora is not None and self.ppo.kl_coef > 0,
-            reduce_max=self._reduce_max,
-            with_policy=with_policy,
-            head_at_loss_positions=self.ppo.head_at_loss_positions,
-            share_prefix=self.ppo.share_prompt_prefix,
-        )
-
-    def _update(
-        self, batch: RolloutBatch, old_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
-        advantages: torch.Tensor, old_values: torch.Tensor | None, returns: torch.Tensor | None,
-        step: int, logprobs_out: torch.Tensor | None = None,
-    ) -> dict[str, float]:  # fmt: skip
-        """`ppo_update` with this module's networks, optimizers, schedulers and ranks."""
-        optimizers, schedulers = self._optimizer_list(), self.lr_schedulers()
-        return ppo_update(
-            batch, old_logprobs, ref_logprobs, advantages, old_values, returns,
-            policy_model=self.policy_model, actor_optimizer=optimizers[0], value_model=self.value_model,
-            critic_optimizer=optimizers[1] if len(optimizers) > 1 else None,
-            schedulers=schedulers if isinstance(schedulers, list) else [schedulers],
-            settings=self.ppo, step=step, temperature=self.rollout_settings.temperature or 1.0,
-            lockstep=ranks.lockstep(self), logprobs_out=logprobs_out,
-        )  # fmt: skip
-
-    def _step(self, optimizer: Any, *, counts_as_global_step: bool) -> None:
-        if counts_as_global_step:
-            optimizer.step()
-        else:
-            # Same strategy/precision path, but Lightning's step counter is left alone.
-            self.trainer.strategy.optimizer_step(optimizer.optimizer, lambda: None)
-
-    def _optimizer_list(self) -> list[Any]:
-        optimizers = self.optimizers()
-        return optimizers if isinstance(optimizers, list) else [optimizers]
-
-    def _reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return ranks.reduce_sum(self._trainer, tensor)
-
-    def _reduce_max(self, value: float) -> float:
-        return ranks.reduce_max(self._trainer, value, self.device)
-
-    def _gather_objects(self, value: Any) -> list[Any]:
-        return ranks.gather_objects(self._trainer, value)

@@ -1,8 +1,9 @@
 """The LightningModule's collectives across ranks, each a no-op in one process or without a Trainer.
 
 They only move numbers between ranks (and size CPU thread pools); they never decide what is trained.
-`Lockstep` is the ranks' side of the update as plain callables (`rlver.train.ppo_update` takes one);
-`lockstep(module)` builds it for a LightningModule under its Trainer."""
+`Ranks` is the part of `RLVERModule` that holds them (`module.ranks`); `Lockstep` is the ranks'
+side of the update as plain callables (`rlver.train.ppo_update` takes one), built by
+`Ranks.lockstep` for the module under its Trainer."""
 
 from __future__ import annotations
 
@@ -101,21 +102,51 @@ def share_cpu_cores(trainer: Any, device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def lockstep(module: Any) -> Lockstep:
-    """How a LightningModule's update reaches the other ranks and its Trainer (manual optimization).
+class Ranks:
+    """The module's collectives over its Trainer's ranks (a part of `RLVERModule`).
 
-    The optimizer step goes through `module._step` (only the last of an iteration counts as a
-    global step), looked up at each call.
+    Each is a no-op in one process or without a Trainer; the Trainer is looked up at each call
+    (Lightning attaches it after the module is built).
     """
-    trainer = module._trainer
-    stop = graceful_stop(trainer)
-    return Lockstep(
-        world=trainer.world_size if trainer is not None else 1,
-        device=module.device,
-        reduce_sum=lambda tensor: reduce_sum(trainer, tensor),
-        reduce_max=lambda value: module._reduce_max(value),
-        backward=module.manual_backward,
-        optimizer_step=lambda optimizer, last: module._step(optimizer, counts_as_global_step=last),
-        gradient_sync=lambda sync: gradient_sync(trainer, sync),
-        stop_requested=lambda: stop is not None and bool(stop.requested),
-    )
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    @property
+    def rank(self) -> int:
+        return self.module.global_rank
+
+    @property
+    def has_trainer(self) -> bool:
+        return self.module._trainer is not None
+
+    def gather_objects(self, value: Any) -> list[Any]:
+        return gather_objects(self.module._trainer, value)
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return reduce_sum(self.module._trainer, tensor)
+
+    def reduce_max(self, value: float) -> float:
+        return reduce_max(self.module._trainer, value, self.module.device)
+
+    def share_cpu_cores(self) -> None:
+        share_cpu_cores(self.module._trainer, self.module.device)
+
+    def lockstep(self, optimizer_step: Callable[[Any, bool], None]) -> Lockstep:
+        """How the module's update reaches the other ranks and its Trainer (manual optimization).
+
+        `optimizer_step(optimizer, counts_as_global_step)`: only the last step of an iteration
+        advances the Trainer's global step.
+        """
+        trainer = self.module._trainer
+        stop = graceful_stop(trainer)
+        return Lockstep(
+            world=trainer.world_size if trainer is not None else 1,
+            device=self.module.device,
+            reduce_sum=self.reduce_sum,
+            reduce_max=lambda value: self.reduce_max(value),  # looked up at each call: tests stand in
+            backward=self.module.manual_backward,
+            optimizer_step=optimizer_step,
+            gradient_sync=lambda sync: gradient_sync(trainer, sync),
+            stop_requested=lambda: stop is not None and bool(stop.requested),
+        )

@@ -167,43 +167,56 @@ def emotion_figure(trajectories: Sequence[Trajectory]):
     return figure
 
 
-class RunLogHooks:
-    """The LightningModule's reporting helpers, mixed into `RLVERModule`."""
+class RunLog:
+    """What the module reports: metrics merged over ranks, transcripts and sample dialogues (a part
+    of `RLVERModule`, `module.run_log`).
 
-    def _simulator_metrics(self) -> dict[str, float]:
-        """The simulator's counters since the last call (requests, retries, re-asks, ...)."""
-        return {f"simulator/{name}": float(value) for name, value in self.simulator.drain_metrics().items()}
+    Args:
+        module: The LightningModule (`log`, its Trainer's log folder and loggers, its rank).
+        ranks: The module's collectives (one gather merges every rank's metrics).
+        samples_every_n_steps: Sample dialogues and an emotion plot every N steps (0: never).
+    """
 
-    def _difficulty_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
-        """Share of dialogues and mean final emotion per curriculum level, over all ranks."""
-        import torch
+    def __init__(self, module: Any, ranks: Any, samples_every_n_steps: int) -> None:
+        self.module, self.ranks, self.samples_every_n_steps = module, ranks, samples_every_n_steps
 
-        return difficulty_metrics(
-            [t.profile.extra.get("difficulty") for t in trajectories],
-            [t.final_emotion for t in trajectories],
-            self.curriculum.levels,
-            lambda values: (
-                values
-                if self._trainer is None
-                else self._reduce_sum(torch.tensor(values, device=self.device)).tolist()
-            ),
-        )
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None, **kwargs: Any) -> None:
+        log_metrics(self.module, metrics, self.ranks.gather_objects, step=step, **kwargs)
 
-    def _log_metrics(self, metrics: Mapping[str, float], step: int | None = None, **kwargs: Any) -> None:
-        log_metrics(self, metrics, self._gather_objects, step=step, **kwargs)
-
-    def _log_dir(self) -> Path | None:
-        if self._trainer is None:
+    def log_dir(self) -> Path | None:
+        trainer = self.module._trainer
+        if trainer is None:
             return None
-        directory = self.trainer.log_dir or self.trainer.default_root_dir
+        directory = trainer.log_dir or trainer.default_root_dir
         return Path(directory) if directory else None
 
-    def _append_transcripts(self, split: str, trajectories: Sequence[Trajectory], step: int) -> None:
-        directory = self._log_dir()
+    def append_transcripts(self, split: str, trajectories: Sequence[Trajectory], step: int) -> None:
+        directory = self.log_dir()
         if directory is not None:
-            append_transcripts(directory, split, self.global_rank, trajectories, step)
+            append_transcripts(directory, split, self.ranks.rank, trajectories, step)
 
-    def _log_samples(self, trajectories: Sequence[Trajectory], step: int) -> None:
-        every = self.hparams.log_samples_every_n_steps
-        if every and not step % every and self.global_rank == 0 and self.logger is not None:
-            log_samples(getattr(self.logger, "experiment", None), trajectories, step)
+    def log_samples(self, trajectories: Sequence[Trajectory], step: int) -> None:
+        every, logger = self.samples_every_n_steps, self.module.logger
+        if every and not step % every and self.ranks.rank == 0 and logger is not None:
+            log_samples(getattr(logger, "experiment", None), trajectories, step)
+
+
+def simulator_metrics(simulator: Any) -> dict[str, float]:
+    """The simulator's counters since the last call (requests, retries, re-asks, ...)."""
+    return {f"simulator/{name}": float(value) for name, value in simulator.drain_metrics().items()}
+
+
+def rank_difficulty_metrics(
+    trajectories: Sequence[Trajectory], levels: Sequence[str], ranks: Any, device: Any
+) -> dict[str, float]:
+    """Share of dialogues and mean final emotion per curriculum level, over all ranks."""
+    import torch
+
+    return difficulty_metrics(
+        [t.profile.extra.get("difficulty") for t in trajectories],
+        [t.final_emotion for t in trajectories],
+        levels,
+        lambda values: (
+            ranks.reduce_sum(torch.tensor(values, device=device)).tolist() if ranks.has_trainer else values
+        ),
+    )

@@ -223,8 +223,8 @@ class PhaseProbe(L.Callback):
         runner = pl_module.runner
         runner.run = self._measured("rollout", runner.run)
         runner.engine.sync_weights = self._measured("sync", runner.engine.sync_weights)
-        update = self._measured("update", pl_module._update)
-        score = self._measured("scoring", pl_module._score_tokens)
+        update = self._measured("update", pl_module.policy_update.update)
+        score = self._measured("scoring", pl_module.policy_update.score_tokens)
 
         def compare(logprobs: torch.Tensor, batch: Any) -> None:
             if "logprob_gap" not in self.record:
@@ -245,8 +245,8 @@ class PhaseProbe(L.Callback):
                 compare(kwargs["logprobs_out"], batch)
             return metrics
 
-        pl_module._score_tokens = score_and_compare
-        pl_module._update = update_and_compare
+        pl_module.policy_update.score_tokens = score_and_compare
+        pl_module.policy_update.update = update_and_compare
         trainer.save_checkpoint = self._measured("checkpoint", trainer.save_checkpoint)
 
     def on_train_batch_end(

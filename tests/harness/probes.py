@@ -117,14 +117,14 @@ class Chaos(L.Callback):
 
             engine.generate = generate_then_die
         elif self.point == "update":
-            optimizer_step = pl_module._step
+            optimizer_step = pl_module.policy_update.optimizer_step
 
             def step_then_die(*args, **kwargs):
                 optimizer_step(*args, **kwargs)
                 if now():
                     self.die()
 
-            pl_module._step = step_then_die
+            pl_module.policy_update.optimizer_step = step_then_die
         elif self.point == "checkpoint":
             import torch
 
@@ -154,7 +154,7 @@ class Chaos(L.Callback):
 
             torch.save = save_half_then_die
         else:
-            append = pl_module._append_transcripts
+            append = pl_module.run_log.append_transcripts
 
             def append_torn_then_die(split, trajectories, step):
                 if split != "train" or step != self.step:
@@ -166,7 +166,7 @@ class Chaos(L.Callback):
                     handle.write(line[: len(line) // 2])
                 self.die()
 
-            pl_module._append_transcripts = append_torn_then_die
+            pl_module.run_log.append_transcripts = append_torn_then_die
 
 
 class SignalOneRank(L.Callback):

@@ -297,14 +297,17 @@ def test_validation_and_overlapped_turns_are_progress(tiny_model_dir):
     `should_stop`, so their turns marked nothing: a long evaluation against a slow user ended a
     healthy run. Both runners now get an `on_turn` that marks each turn."""
     from rlver.data.profiles import load_profile_sets
-    from rlver.rollout.overlap import _background_run
+    from rlver.rollout.overlap import background_run
+    from rlver.rollout.runner import RolloutSettings
     from rlver.train.module import RLVERModule
 
     watchdog = HangWatchdog()
-    module = RLVERModule(policy=str(tiny_model_dir), simulator={"name": "embedded", "judge": "rubric"})
-    module.rollout_settings = module.rollout_settings.__class__(max_turns=2, max_new_tokens=4)
+    module = RLVERModule(
+        policy=str(tiny_model_dir),
+        simulator={"name": "embedded", "judge": "rubric"},
+        rollout=RolloutSettings(max_turns=2, max_new_tokens=4),
+    )
     module.setup("validate")
-    module.runner.settings = module.rollout_settings
     module._trainer = SimpleNamespace(callbacks=[watchdog])
     profiles = load_profile_sets(["builtin:en_test"])[:2]
     before = watchdog.clock.marks
@@ -312,6 +315,6 @@ def test_validation_and_overlapped_turns_are_progress(tiny_model_dir):
     turns = max(t.num_turns for t in trajectories)
     assert watchdog.clock.marks - before >= turns >= 1
     before = watchdog.clock.marks
-    run = _background_run(module.runner, profiles, 0, 1, turn_progress(module._trainer))
+    run = background_run(module.runner, profiles, 0, 1, turn_progress(module._trainer))
     run({})
     assert watchdog.clock.marks > before

@@ -159,8 +159,8 @@ def test_old_logprobs_are_scored_with_dropout_off(small_vocab_model):
     batch = SimpleNamespace(
         input_ids=ids, attention_mask=attention, loss_mask=torch.ones_like(ids), num_sequences=1
     )
-    module._reduce_max = lambda value: value
-    old, _, values = module._score_tokens(batch)
+    module.ranks.reduce_max = lambda value: value
+    old, _, values = module.policy_update.score_tokens(batch)
     torch.testing.assert_close(old, evaluated)
     assert values is not None and model.training and module.value_model.training  # modes restored
     from rlver.train.scoring import on_policy_update
@@ -183,9 +183,9 @@ def test_rollouts_with_an_engine_of_its_own_run_outside_autocast(small_vocab_mod
             pass
 
     module, _ = recipe_module("grpo_nothink", small_vocab_model)
-    module.runner = SimpleNamespace(engine=OwnWeightsEngine())
+    module.rollouts.runner = SimpleNamespace(engine=OwnWeightsEngine())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as Lightning runs training_step
         module.runner.engine.generate([], None)
-        with module._generation_weights():
+        with module.rollouts.generation_weights():
             module.runner.engine.generate([], None)
     assert seen == [True, False]

@@ -22,6 +22,7 @@ from rlver.data.profiles import ProfileError, load_profiles
 from rlver.rollout.runner import RolloutRunner, RolloutSettings
 from rlver.train.curriculum import DifficultyCurriculum, difficulty_metrics
 from rlver.train.module import RLVERModule
+from rlver.train.run_log import rank_difficulty_metrics
 from tests.conftest import REPO
 
 HOSTILE = "Shut up, you're pathetic, nobody cares."  # raw change well below -10 for this profile
@@ -305,7 +306,7 @@ def test_training_step_gives_each_group_one_level():
         group_size=3, curriculum=[{"until_step": 1, "mix": {"easy": 1, "hard": 1}}, {"mix": "normal"}]
     )
     assert isinstance(module.curriculum, DifficultyCurriculum)
-    module.runner = _RecordingRunner()
+    module.rollouts.runner = _RecordingRunner()
     batch = [make_profile(f"p{i}") for i in range(8)]
     with pytest.raises(_StopAfterRollout):
         module.training_step(batch, 0)  # global_step 0 without a trainer: the mixed stage
@@ -322,7 +323,7 @@ def test_training_step_gives_each_group_one_level():
     assert all("difficulty" not in p.extra for p in batch)
 
     trajectories = [SimpleNamespace(profile=p, final_emotion=50.0 + i) for i, p in enumerate(dialogues)]
-    metrics = module._difficulty_metrics(trajectories)
+    metrics = rank_difficulty_metrics(trajectories, module.curriculum.levels, module.ranks, module.device)
     assert sum(
         metrics[f"rollout/difficulty/{level}"] for level in ("easy", "normal", "hard")
     ) == pytest.approx(1.0)
@@ -332,7 +333,7 @@ def test_training_step_gives_each_group_one_level():
 def test_no_curriculum_leaves_profiles_alone():
     module = RLVERModule(group_size=2)
     assert module.curriculum is None
-    module.runner = _RecordingRunner()
+    module.rollouts.runner = _RecordingRunner()
     batch = [make_profile("p0", difficulty="hard"), make_profile("p1")]
     with pytest.raises(_StopAfterRollout):
         module.training_step(batch, 0)
