@@ -118,32 +118,52 @@ def check_training_precision(precision: str, dtype: str, lora: bool, low_precisi
         )
 
 
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The AdamW settings of both networks and their learning-rate schedule (the module's flat
+    `--model.actor_lr`, ... options, checked here with those names)."""
+
+    actor_lr: float = 1e-6
+    critic_lr: float = 5e-6
+    weight_decay: float = 0.01
+    actor_warmup_ratio: float = 0.02
+    critic_warmup_ratio: float = 0.05
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("actor_warmup_ratio", "critic_warmup_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"--model.{name} ({value}) must be within [0, 1)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"--model.lr_schedule ({self.lr_schedule!r}) must be one of {', '.join(LR_SCHEDULES)}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--model.min_lr_ratio ({self.min_lr_ratio}) must be within [0, 1]")
+
+
 def optimizers_and_schedulers(
-    policy: torch.nn.Module,
-    critic: torch.nn.Module | None,
-    actor_lr: float,
-    critic_lr: float,
-    weight_decay: float,
-    actor_warmup_steps: int,
-    critic_warmup_steps: int,
-    schedule: str = "constant",
-    total_steps: int = 0,
-    min_lr_ratio: float = 0.0,
+    policy: torch.nn.Module, critic: torch.nn.Module | None, settings: OptimizerSettings, total_steps: int
 ) -> tuple[list[torch.optim.Optimizer], list[Any]]:
-    """AdamW over each network's trained parameters (all, or the adapters); linear warmup, then
-    the `schedule` (see `lr_factor`) over the rest of `total_steps`."""
-    networks = [(policy, actor_lr, actor_warmup_steps)]
+    """AdamW over each network's trained parameters (all, or the adapters); linear warmup over its
+    share of `total_steps`, then the schedule (see `lr_factor`) over the rest."""
+    networks = [(policy, settings.actor_lr, settings.actor_warmup_ratio)]
     if critic is not None:
-        networks.append((critic, critic_lr, critic_warmup_steps))
+        networks.append((critic, settings.critic_lr, settings.critic_warmup_ratio))
     optimizers, schedulers = [], []
-    for network, lr, warmup_steps in networks:
+    for network, lr, warmup_ratio in networks:
         trained = [p for p in network.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=settings.weight_decay)
         optimizers.append(optimizer)
         factor = functools.partial(
-            lr_factor, schedule=schedule, warmup_steps=warmup_steps, total_steps=total_steps,
-            min_ratio=min_lr_ratio,
-        )  # fmt: skip
+            lr_factor,
+            schedule=settings.lr_schedule,
+            warmup_steps=round(warmup_ratio * total_steps),
+            total_steps=total_steps,
+            min_ratio=settings.min_lr_ratio,
+        )
         schedulers.append(torch.optim.lr_scheduler.LambdaLR(optimizer, factor))
     return optimizers, schedulers
 

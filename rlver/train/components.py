@@ -6,7 +6,7 @@ Every error names the `--model.` flag it is about. Nothing here loads a model or
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ from rlver.core.plugins import get_registry, implementing, plain_config, split_s
 from rlver.core.seeding import run_seed
 from rlver.modeling.lora import LoraSettings
 from rlver.modeling.models import DTYPES
-from rlver.modeling.networks import LR_SCHEDULES
+from rlver.modeling.networks import OptimizerSettings
 from rlver.rollout.overlap import OverlapSettings
 from rlver.rollout.runner import RolloutSettings
 from rlver.train.curriculum import DifficultyCurriculum
@@ -80,35 +80,37 @@ def overlap_settings(overlap: Any, ppo: PPOSettings) -> tuple[OverlapSettings | 
     return settings, ppo
 
 
+@dataclass(frozen=True)
+class TrainingSettings:
+    """The module's option groups as checked settings objects."""
+
+    rollout: RolloutSettings
+    ppo: PPOSettings
+    lora: LoraSettings | None
+    curriculum: DifficultyCurriculum | None
+    optimizer: OptimizerSettings
+
+
 def checked_settings(
+    *,
     dtype: str,
     group_size: int,
-    actor_warmup_ratio: float,
-    critic_warmup_ratio: float,
     rollout: Any,
     ppo: Any,
     lora: Any,
     eval_temperature: float,
     curriculum: Any,
-    *,
-    lr_schedule: str = "constant",
-    min_lr_ratio: float = 0.0,
-) -> tuple[RolloutSettings, PPOSettings, LoraSettings | None, DifficultyCurriculum | None]:
-    """The module's option groups as settings objects, each value checked (ValueError naming the flag)."""
+    optimizer: Mapping[str, Any],
+) -> TrainingSettings:
+    """The module's options as settings objects, each value checked (ValueError naming the flag).
+
+    `optimizer`: the flat `--model.actor_lr`, ... values by name (`OptimizerSettings`' fields).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"--model.dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
     if group_size < 1:
         raise ValueError(f"--model.group_size ({group_size}) must be >= 1")
-    for name, value in (
-        ("actor_warmup_ratio", actor_warmup_ratio),
-        ("critic_warmup_ratio", critic_warmup_ratio),
-    ):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"--model.{name} ({value}) must be within [0, 1)")
-    if lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"--model.lr_schedule ({lr_schedule!r}) must be one of {', '.join(LR_SCHEDULES)}")
-    if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"--model.min_lr_ratio ({min_lr_ratio}) must be within [0, 1]")
+    optimizer_settings = OptimizerSettings(**optimizer)
     rollout_settings = _as_settings(RolloutSettings, rollout, "--model.rollout")
     if rollout_settings.seed is None:  # the run's seed: --seed_everything varies the sampling too
         rollout_settings = dataclasses.replace(rollout_settings, seed=run_seed())
@@ -117,7 +119,7 @@ def checked_settings(
     if eval_temperature < 0:
         raise ValueError(f"--model.eval_temperature ({eval_temperature}) must be >= 0")
     levels = DifficultyCurriculum.from_config(plain_config(curriculum)) if curriculum is not None else None
-    return rollout_settings, ppo_settings, lora_settings, levels
+    return TrainingSettings(rollout_settings, ppo_settings, lora_settings, levels, optimizer_settings)
 
 
 @dataclass

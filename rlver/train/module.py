@@ -145,10 +145,31 @@ class RLVERModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         self.save_hyperparameters()
-        self.rollout_settings, self.ppo, self.lora, self.curriculum = checked_settings(
-            dtype, group_size, actor_warmup_ratio, critic_warmup_ratio, rollout, ppo, lora, eval_temperature,
-            curriculum, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
-        )  # fmt: skip
+        settings = checked_settings(
+            dtype=dtype,
+            group_size=group_size,
+            rollout=rollout,
+            ppo=ppo,
+            lora=lora,
+            eval_temperature=eval_temperature,
+            curriculum=curriculum,
+            optimizer={
+                "actor_lr": actor_lr,
+                "critic_lr": critic_lr,
+                "weight_decay": weight_decay,
+                "actor_warmup_ratio": actor_warmup_ratio,
+                "critic_warmup_ratio": critic_warmup_ratio,
+                "lr_schedule": lr_schedule,
+                "min_lr_ratio": min_lr_ratio,
+            },
+        )
+        self.rollout_settings, self.lora, self.curriculum = (
+            settings.rollout,
+            settings.lora,
+            settings.curriculum,
+        )
+        self.optimizer_settings = settings.optimizer
+        self.ppo = settings.ppo
         self.overlap, self.ppo = overlap_settings(overlap, self.ppo)
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
         self.strict_loading = self.lora is None
@@ -346,15 +367,13 @@ class RLVERModule(L.LightningModule):
         self.rollouts.load_pending(checkpoint)
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        if hp.lr_schedule != "constant" and self.trainer.max_steps <= 0:
-            raise ValueError(f"--model.lr_schedule {hp.lr_schedule} decays over --trainer.max_steps: set it")
+        schedule = self.optimizer_settings.lr_schedule
+        if schedule != "constant" and self.trainer.max_steps <= 0:
+            raise ValueError(f"--model.lr_schedule {schedule} decays over --trainer.max_steps: set it")
         total_steps = max(int(self.trainer.max_steps if self.trainer.max_steps > 0 else 1000), 1)
         return optimizers_and_schedulers(
-            self.policy_model, self.value_model, hp.actor_lr, hp.critic_lr, hp.weight_decay,
-            round(hp.actor_warmup_ratio * total_steps), round(hp.critic_warmup_ratio * total_steps),
-            hp.lr_schedule, total_steps, hp.min_lr_ratio,
-        )  # fmt: skip
+            self.policy_model, self.value_model, self.optimizer_settings, total_steps
+        )
 
     # ------------------------------------------------------------------ the algorithm
     def training_step(self, batch: Sequence[Profile], batch_idx: int) -> None:

@@ -116,6 +116,109 @@ class PPOSettings:
                 raise ValueError(message)
 
 
+def plan_minibatches(count: int, most: int, settings: PPOSettings, step: int) -> list[list[int]]:
+    """The update's minibatches, as row indices into this rank's `count` sequences.
+
+    Every rank runs the same number of minibatches (`most`: the sequences on the fullest rank,
+    so the gradient all-reduces pair up): `ppo_epochs` fresh shuffles seeded by `step`, each cut
+    into ceil(most / minibatch_size) minibatches; a rank with fewer sequences has shorter (or
+    empty) ones. `minibatch_size` 0: one minibatch of every sequence per epoch.
+    """
+    size = settings.minibatch_size or most
+    slots = -(-most // size) if most else 0  # minibatches per epoch, the same on every rank
+    generator = torch.Generator().manual_seed(step)
+    minibatches = []
+    for _ in range(settings.ppo_epochs):
+        order = torch.randperm(count, generator=generator).tolist()
+        minibatches.extend(order[start * size : (start + 1) * size] for start in range(slots))
+    return minibatches
+
+
+def plan_micro_batches(
+    rows: list[int], micro_batch_size: int, micro_steps: int, sort_key: Callable[[int], Any] | None = None
+) -> list[list[int]]:
+    """A minibatch's rows cut into `micro_steps` micro-batches of at most `micro_batch_size`; the
+    missing ones empty (a rank with fewer rows still joins every backward's collective). With
+    `sort_key` the rows are sorted first (sequences sharing a prompt share micro-batches)."""
+    if sort_key is not None:
+        rows = sorted(rows, key=sort_key)
+    micro = list(micro_batches(rows, micro_batch_size))
+    return micro + [[] for _ in range(micro_steps - len(micro))]
+
+
+@dataclass
+class UpdateInputs:
+    """The step's tensors, (S, L) over its sequences; those a setting leaves out are None."""
+
+    batch: RolloutBatch
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
+
+
+class UpdateMetrics:
+    """The update's one metric accumulator.
+
+    Per-micro-batch statistics (losses, clip fractions) are weighted by the micro-batch's share
+    of the loss, so they are the step's token-mean (sequence-mean) over every rank, not a mean of
+    means; per-minibatch values (gradient norms) are averaged over the minibatches.
+    """
+
+    def __init__(self, statistics: Sequence[str]) -> None:
+        self.weighted = WeightedMeans(statistics)
+        self.norms: dict[str, list[float]] = {}
+
+    def add_micro_batch(self, statistics: dict[str, float], weight: float) -> None:
+        self.weighted.add(statistics, weight)
+
+    def add_gradient_norm(self, name: str, value: float) -> None:
+        self.norms.setdefault(name, []).append(value)
+
+    def result(self, ranks: Lockstep) -> dict[str, float]:
+        """The `ppo/` metrics; a collective (the same names on every rank: one all-reduce)."""
+        metrics = {name: sum(values) / len(values) for name, values in self.norms.items()}
+        metrics.update(
+            {f"ppo/{k}": v for k, v in self.weighted.means(ranks.reduce_sum, ranks.device).items()}
+        )
+        return metrics
+
+
+def micro_batch_loss(
+    inputs: UpdateInputs,
+    rows: list[int],
+    policy_model: torch.nn.Module,
+    value_model: torch.nn.Module | None,
+    settings: PPOSettings,
+    temperature: float,
+    logprobs_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The unweighted loss of one micro-batch (the policy's, plus the critic's when it trains) and
+    its statistics. `logprobs_out`, if given, receives the rows' detached log-probs."""
+    batch = inputs.batch
+    ids, attention, mask = batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows]
+    loss, stats = actor_loss(
+        policy_model, ids, attention, mask,
+        None if inputs.old_logprobs is None else inputs.old_logprobs[rows],
+        inputs.advantages[rows],
+        None if inputs.ref_logprobs is None else inputs.ref_logprobs[rows],
+        settings, temperature,
+        keep_logprobs=None if logprobs_out is None else _writer(logprobs_out, rows),
+        engine_logprobs=batch.engine_logprobs[rows] if settings.engine_importance_cap else None,
+    )  # fmt: skip
+    if value_model is not None and inputs.returns is not None and inputs.old_values is not None:
+        values = value_model(ids, attention)
+        value_loss, value_stats = clipped_value_loss(
+            values, inputs.old_values[rows], inputs.returns[rows], mask, settings.value_clip,
+            settings.loss_aggregation,
+        )  # fmt: skip
+        loss = loss + value_loss  # one backward for both networks: one gradient sync per micro-batch
+        stats["value_loss"] = value_loss.item()
+        stats["value_clip_fraction"] = value_stats["value_clip_fraction"].item()
+    return loss, stats
+
+
 def ppo_update(
     batch: RolloutBatch,
     old_logprobs: torch.Tensor | None,
@@ -140,11 +243,12 @@ def ppo_update(
     Tensors are (S, L) over the batch's sequences (`ref_logprobs`, `old_values` and `returns`
     may be None). Ranks hold different numbers of sequences (dialogues end at different turns),
     but gradient all-reduces are collectives: every rank runs the same number of optimizer
-    steps and of backward passes, padding with empty micro-batches. Each micro-batch's loss is
-    weighted by its share of the tokens (or sequences) of the whole step's minibatch, so the
-    synchronised gradient equals that of one process holding every rank's dialogues. The
-    minibatch order is a shuffle seeded by `step`, fresh each epoch; within a minibatch the
-    sequences are sorted by their tokens, so the ones sharing a prompt share micro-batches.
+    steps and of backward passes, padding with empty micro-batches (`plan_minibatches`,
+    `plan_micro_batches`). Each micro-batch's loss is weighted by its share of the tokens (or
+    sequences) of the whole step's minibatch, so the synchronised gradient equals that of one
+    process holding every rank's dialogues. The minibatch order is a shuffle seeded by `step`,
+    fresh each epoch; within a minibatch the sequences are sorted by their tokens, so the ones
+    sharing a prompt share micro-batches.
 
     `old_logprobs` None: the update is one optimizer step from the policy that sampled (see
     `scoring.on_policy_update`), so the old log-probs are the training pass's own, detached: the
@@ -156,106 +260,53 @@ def ppo_update(
         StopRequested: in one process, a stop asked for before the first optimizer step.
     """
     ranks = lockstep or Lockstep()
-    world = ranks.world
-    # Per-minibatch values (gradient norms) are averaged over minibatches; per-micro-batch
-    # values (losses, clip fractions) are weighted by the micro-batch's share of the loss, so
-    # they are the step's token-mean (sequence-mean) over every rank, not a mean of means.
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    names = _ACTOR_STATS + (_CRITIC_STATS if value_model is not None else ())
+    inputs = UpdateInputs(batch, old_logprobs, ref_logprobs, advantages, old_values, returns)
+    statistics = _ACTOR_STATS + (_CRITIC_STATS if value_model is not None else ())
     if settings.kl_coef > 0 and settings.kl_mode == "in-loss":
-        names += ("kl_loss",)
-    weighted = WeightedMeans(names)
-
-    def record(name: str, value: float) -> None:
-        sums[name] = sums.get(name, 0.0) + value
-        counts[name] = counts.get(name, 0) + 1
-
-    def clip(module: torch.nn.Module) -> float:
-        """Clip to the global gradient norm (over every shard under FSDP); returns it, pre-clip."""
-        return clip_grad_norm(module, settings.grad_clip if settings.grad_clip > 0 else float("inf"))
+        statistics += ("kl_loss",)
+    metrics = UpdateMetrics(statistics)
 
     def loss_size(mask: torch.Tensor) -> float:
         return loss_weight(mask, settings.loss_aggregation)
 
-    count = batch.num_sequences
-    most = int(ranks.reduce_max(count))  # sequences on the fullest rank
-    minibatch = settings.minibatch_size or most
-    slots = -(-most // minibatch)  # minibatches per epoch, the same on every rank
-    generator = torch.Generator().manual_seed(step)
-    minibatches = []
-    for _ in range(settings.ppo_epochs):  # a fresh shuffle per epoch, cut into minibatches
-        order = torch.randperm(count, generator=generator).tolist()
-        minibatches.extend(order[start * minibatch : (start + 1) * minibatch] for start in range(slots))
+    most = int(ranks.reduce_max(batch.num_sequences))  # sequences on the fullest rank
+    minibatches = plan_minibatches(batch.num_sequences, most, settings, step)
     if old_logprobs is None and len(minibatches) != 1:
         raise ValueError(
             f"old log-probs are needed: {len(minibatches)} optimizer steps (ppo_epochs "
             f"{settings.ppo_epochs}, minibatch_size {settings.minibatch_size}) leave the sampling "
             "policy behind"
         )
-
+    sort_key = (lambda row: batch.input_ids[row].tolist()) if settings.share_prompt_prefix else None
     for number, rows in enumerate(minibatches):
-        last = number == len(minibatches) - 1
-        local_size = loss_size(batch.loss_mask[rows])
         # The whole step's minibatch size, and the micro-batch count every rank runs.
+        local_size = loss_size(batch.loss_mask[rows])
         global_size = max(float(ranks.reduce_sum(torch.tensor(local_size, device=ranks.device))), 1.0)
         micro_steps = int(ranks.reduce_max(-(-len(rows) // settings.micro_batch_size)))
+        micro = plan_micro_batches(rows, settings.micro_batch_size, micro_steps, sort_key)
         actor_optimizer.zero_grad()
         if critic_optimizer is not None:
             critic_optimizer.zero_grad()
-        if settings.share_prompt_prefix:  # sequences with a common prompt side by side
-            rows = sorted(rows, key=lambda row: batch.input_ids[row].tolist())
-        micro = list(micro_batches(rows, settings.micro_batch_size))
-        micro += [[]] * (micro_steps - len(micro))
         for index, rows_here in enumerate(micro):
-            if number == 0 and world == 1 and ranks.stop_requested():
+            if number == 0 and ranks.world == 1 and ranks.stop_requested():
                 raise StopRequested("stopped before the first optimizer step")
             empty = not rows_here
             rows_here = rows_here or [0]  # an empty slot runs sequence 0 with weight 0 for the collectives
-            ids, attention, mask = (
-                batch.input_ids[rows_here],
-                batch.attention_mask[rows_here],
-                batch.loss_mask[rows_here],
-            )
-            local = loss_size(mask)
+            local = loss_size(batch.loss_mask[rows_here])
+            loss, stats = micro_batch_loss(
+                inputs, rows_here, policy_model, value_model, settings, temperature,
+                None if empty else logprobs_out,
+            )  # fmt: skip
+            if not empty and batch.loss_mask[rows_here].any():
+                metrics.add_micro_batch(stats, local)
             # DDP averages gradients over ranks; the world factor turns that into a sum.
-            weight = 0.0 if empty else local / global_size * world
-            loss, stats = actor_loss(
-                policy_model,
-                ids,
-                attention,
-                mask,
-                None if old_logprobs is None else old_logprobs[rows_here],
-                advantages[rows_here],
-                None if ref_logprobs is None else ref_logprobs[rows_here],
-                settings,
-                temperature,
-                keep_logprobs=None if logprobs_out is None or empty else _writer(logprobs_out, rows_here),
-                engine_logprobs=batch.engine_logprobs[rows_here] if settings.engine_importance_cap else None,
-            )
-            loss = loss * weight
-            if value_model is not None and returns is not None and old_values is not None:
-                values = value_model(ids, attention)
-                value_loss, value_stats = clipped_value_loss(
-                    values,
-                    old_values[rows_here],
-                    returns[rows_here],
-                    mask,
-                    settings.value_clip,
-                    settings.loss_aggregation,
-                )
-                # One backward for both networks: one gradient synchronisation per micro-batch.
-                loss = loss + value_loss * weight
-                stats["value_loss"] = value_loss.item()
-                stats["value_clip_fraction"] = value_stats["value_clip_fraction"].item()
-            if not empty and mask.any():
-                weighted.add(stats, local)
+            weight = 0.0 if empty else local / global_size * ranks.world
             with ranks.gradient_sync(index == len(micro) - 1):
-                ranks.backward(loss)
-        record("ppo/grad_norm", clip(policy_model))
-        ranks.optimizer_step(actor_optimizer, last)
+                ranks.backward(loss * weight)
+        metrics.add_gradient_norm("ppo/grad_norm", _clip(policy_model, settings))
+        ranks.optimizer_step(actor_optimizer, number == len(minibatches) - 1)
         if critic_optimizer is not None and value_model is not None:
-            record("ppo/critic_grad_norm", clip(value_model))
+            metrics.add_gradient_norm("ppo/critic_grad_norm", _clip(value_model, settings))
             ranks.optimizer_step(critic_optimizer, False)
     if logprobs_out is not None:
         logprobs_out.mul_(batch.loss_mask)
@@ -265,12 +316,12 @@ def ppo_update(
         rates["ppo/critic_lr"] = critic_optimizer.param_groups[0]["lr"]
     for scheduler in schedulers:
         scheduler.step()
-    metrics = {name: sums[name] / counts[name] for name in sums}
-    # The same names on every rank (a rank with nothing to learn adds zeros): one all-reduce.
-    metrics.update({f"ppo/{k}": v for k, v in weighted.means(ranks.reduce_sum, ranks.device).items()})
-    metrics.update(rates)
-    metrics["ppo/minibatches"] = float(len(minibatches))
-    return metrics
+    return {**metrics.result(ranks), **rates, "ppo/minibatches": float(len(minibatches))}
+
+
+def _clip(module: torch.nn.Module, settings: PPOSettings) -> float:
+    """Clip to the global gradient norm (over every shard under FSDP); returns it, pre-clip."""
+    return clip_grad_norm(module, settings.grad_clip if settings.grad_clip > 0 else float("inf"))
 
 
 def _writer(out: torch.Tensor, rows: list[int]) -> Callable[[torch.Tensor], None]:

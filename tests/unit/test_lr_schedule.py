@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlver.modeling.networks import lr_factor, optimizers_and_schedulers
+from rlver.modeling.networks import OptimizerSettings, lr_factor, optimizers_and_schedulers
 from rlver.train.components import checked_settings
 
 
@@ -41,9 +41,11 @@ def test_cosine_is_half_way_down_at_half_the_decay():
 
 def test_the_optimizers_follow_the_schedule_step_by_step():
     policy, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
-    optimizers, schedulers = optimizers_and_schedulers(
-        policy, critic, 1e-3, 1e-2, 0.0, 0, 2, "linear", 4, 0.5
-    )
+    settings = OptimizerSettings(
+        actor_lr=1e-3, critic_lr=1e-2, weight_decay=0.0, actor_warmup_ratio=0.0, critic_warmup_ratio=0.5,
+        lr_schedule="linear", min_lr_ratio=0.5,
+    )  # fmt: skip
+    optimizers, schedulers = optimizers_and_schedulers(policy, critic, settings, total_steps=4)
     seen = []
     for _ in range(4):
         seen.append([optimizer.param_groups[0]["lr"] for optimizer in optimizers])
@@ -67,6 +69,7 @@ def test_the_optimizers_follow_the_schedule_step_by_step():
 def test_a_bad_schedule_is_one_error_naming_the_flag(schedule, min_ratio, message):
     with pytest.raises(ValueError) as error:
         checked_settings(
-            "float32", 4, 0.0, 0.0, {}, {}, None, 0.0, None, lr_schedule=schedule, min_lr_ratio=min_ratio
-        )
+            dtype="float32", group_size=4, rollout={}, ppo={}, lora=None, eval_temperature=0.0, curriculum=None,
+            optimizer={"lr_schedule": schedule, "min_lr_ratio": min_ratio},
+        )  # fmt: skip
     assert str(error.value) == message

@@ -423,3 +423,42 @@ def test_a_shared_prompt_with_right_padded_rows_of_unequal_prompts_gives_each_ro
     plain_gradient = gradient(False)
     for name, value in plain_gradient.items():
         torch.testing.assert_close(shared_gradient[name], value, atol=1e-6, rtol=1e-4)
+
+
+def test_minibatch_plan_by_hand():
+    """ppo_epochs fresh shuffles seeded by the step, each cut into ceil(most / size) minibatches;
+    a rank with fewer sequences than the fullest one gets shorter or empty minibatches."""
+    from rlver.train.ppo_update import plan_minibatches
+
+    generator = torch.Generator().manual_seed(7)
+    first, second = (torch.randperm(5, generator=generator).tolist() for _ in range(2))
+    plan = plan_minibatches(5, 5, PPOSettings(ppo_epochs=2, minibatch_size=2), step=7)
+    assert plan == [first[0:2], first[2:4], first[4:5], second[0:2], second[2:4], second[4:5]]
+    # the fullest rank holds 8: four slots of 2 on every rank; this rank's 3 fill two of them
+    short = plan_minibatches(3, 8, PPOSettings(minibatch_size=2), step=0)
+    assert len(short) == 4 and [len(rows) for rows in short] == [2, 1, 0, 0]
+    assert sorted(row for rows in short for row in rows) == [0, 1, 2]
+    # minibatch_size 0: one minibatch a epoch of everything this rank holds
+    assert [sorted(rows) for rows in plan_minibatches(3, 4, PPOSettings(), step=1)] == [[0, 1, 2]]
+    assert plan_minibatches(0, 0, PPOSettings(), step=0) == []
+
+
+def test_micro_batch_plan_by_hand():
+    from rlver.train.ppo_update import plan_micro_batches
+
+    assert plan_micro_batches([4, 1, 3], 2, 2) == [[4, 1], [3]]
+    assert plan_micro_batches([4, 1, 3], 2, 4) == [[4, 1], [3], [], []]  # padded to every rank's count
+    prompts = {4: [9, 1], 1: [2, 5], 3: [9, 0]}
+    assert plan_micro_batches([4, 1, 3], 2, 2, sort_key=prompts.__getitem__) == [[1, 3], [4]]
+    assert plan_micro_batches([], 2, 1) == [[]]
+
+
+def test_update_metrics_weigh_micro_batches_and_average_minibatch_norms():
+    from rlver.train.ppo_update import UpdateMetrics
+
+    metrics = UpdateMetrics(("policy_loss",))
+    metrics.add_micro_batch({"policy_loss": 1.0}, 3.0)  # 3 tokens
+    metrics.add_micro_batch({"policy_loss": 5.0}, 1.0)  # 1 token
+    metrics.add_gradient_norm("ppo/grad_norm", 2.0)
+    metrics.add_gradient_norm("ppo/grad_norm", 4.0)
+    assert metrics.result(Lockstep()) == {"ppo/grad_norm": 3.0, "ppo/policy_loss": 2.0}

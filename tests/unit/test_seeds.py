@@ -28,13 +28,17 @@ def test_the_training_order_and_the_rollout_seed_follow_the_run_seed(monkeypatch
     monkeypatch.setenv("PL_GLOBAL_SEED", "4")
     assert ProfileDataModule().seed == 4
     assert ProfileDataModule(seed=1).seed == 1  # pinned on purpose
-    rollout, *_ = checked_settings(
-        "float32", 4, 0.0, 0.0, RolloutSettings(max_new_tokens=8), PPOSettings(), None, 0.0, None
-    )
+    common = {
+        "dtype": "float32",
+        "group_size": 4,
+        "ppo": PPOSettings(),
+        "lora": None,
+        "eval_temperature": 0.0,
+    }
+    common.update(curriculum=None, optimizer={})
+    rollout = checked_settings(rollout=RolloutSettings(max_new_tokens=8), **common).rollout
     assert rollout.seed == 4
-    pinned, *_ = checked_settings(
-        "float32", 4, 0.0, 0.0, RolloutSettings(max_new_tokens=8, seed=9), PPOSettings(), None, 0.0, None
-    )
+    pinned = checked_settings(rollout=RolloutSettings(max_new_tokens=8, seed=9), **common).rollout
     assert pinned.seed == 9
 
 
