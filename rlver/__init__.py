@@ -8,13 +8,9 @@ the bottom, then `rl` and `data`, `parallel`, `modeling`, `checkpoint`, `rollout
 
 import pluggy
 
-from rlver import _moved
-
 __version__ = "0.1.0"
 
 hookimpl = pluggy.HookimplMarker("rlver")
 """Marker for plugin hook implementations: `@rlver.hookimpl`."""
-
-_moved.install()  # the flat layout's module paths (rlver.callbacks, ...) still import, with a warning
 
 __all__ = ["__version__", "hookimpl"]

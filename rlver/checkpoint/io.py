@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rlver.core.legacy_paths import legacy_module_paths
+
 # What Lightning writes next to the torch.distributed.checkpoint files of a sharded checkpoint.
 METADATA_FILENAME = "meta.pt"
 # The top-level key of the weights in a sharded checkpoint: FSDPStrategy, ModelParallelStrategy.
@@ -50,7 +52,8 @@ def read_checkpoint_state(path: str | Path, *, weights_only: bool = True) -> dic
     """
     path = Path(path)
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        with legacy_module_paths():  # a checkpoint pickled before issue 40 names the flat layout's modules
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} not found")
     if not is_sharded_checkpoint(path):
@@ -70,7 +73,8 @@ def read_checkpoint_state(path: str | Path, *, weights_only: bool = True) -> dic
     _load_state_dict(
         loaded, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys={key}), no_dist=True
     )
-    checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
+    with legacy_module_paths():
+        checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
     checkpoint["state_dict"] = dict(loaded[key])
     return checkpoint
 
@@ -172,9 +176,10 @@ class ShardedCheckpointReader(AtomicCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if is_sharded_checkpoint(path):
             return read_checkpoint_state(path, weights_only=bool(weights_only))
-        if map_location is None:
-            return super().load_checkpoint(path, weights_only=weights_only)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        with legacy_module_paths():  # a checkpoint pickled before issue 40 names the flat layout's modules
+            if map_location is None:
+                return super().load_checkpoint(path, weights_only=weights_only)
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
 def writes_sharded_checkpoints(strategy: Any) -> bool:

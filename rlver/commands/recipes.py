@@ -11,6 +11,7 @@ from typing import Any
 
 from jsonargparse import ArgumentParser, Namespace
 
+from rlver.core.legacy_paths import legacy_module_paths
 from rlver.data.datamodule import ProfileDataModule
 from rlver.train.module import RLVERModule
 
@@ -40,6 +41,16 @@ def _lightning_cli_class(command: str | None = None) -> type:
             # Configs Lightning saved before the options went (`optimizer: null`) still load.
             for flag in ("--optimizer", "--lr_scheduler"):
                 parser.add_argument(flag, type=_null_only, default=None, help=argparse.SUPPRESS)
+
+        # A config saved beside an old checkpoint names the flat layout's class paths: they
+        # resolve while the config is parsed and its classes built, and nowhere else.
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            with legacy_module_paths():
+                super().parse_arguments(parser, args)
+
+        def instantiate_classes(self) -> None:
+            with legacy_module_paths():
+                super().instantiate_classes()
 
         def _parse_ckpt_path(self) -> None:
             """The run's settings are the config's, never a checkpoint's: Lightning would replace
@@ -100,7 +111,8 @@ def _check_keys(tree: Any, path: str, where: tuple[str, ...]) -> None:
 
 def parse_recipe(path: str) -> Namespace:
     """Parse and type-check a recipe as `rlver fit` does, without building anything."""
-    return _recipe_parser().parse_args(["--config", path])
+    with legacy_module_paths():
+        return _recipe_parser().parse_args(["--config", path])
 
 
 class _ParserBuilt(Exception):

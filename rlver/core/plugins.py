@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import pluggy
 
 from rlver.core import hookspecs
+from rlver.core.legacy_paths import legacy_module_paths
 
 ENTRY_POINT_GROUP = "rlver"
 T = TypeVar("T")
@@ -76,7 +77,8 @@ class Registry:
             if entry_point.name in disabled or entry_point.name in self.plugins:
                 continue
             try:
-                module = entry_point.load()
+                with legacy_module_paths():  # a plugin written against the flat layout's imports
+                    module = entry_point.load()
             except Exception as error:  # a broken plugin must say which one it is
                 raise PluginError(
                     f"plugin {entry_point.name!r} ({entry_point.value}) failed to import: {error}"

@@ -10,7 +10,7 @@ May import `rlver.core`, `rlver.data`, `rlver.parallel`, `rlver.modeling` and `r
 deprecation warning: the names now live in `rlver.rollout.runner` and `rlver.core.trajectory`.
 """
 
-from rlver._moved import moved_attribute
+from rlver.core.legacy_paths import moved_attribute
 
 # The old module's public names (its __all__), all still exported by the runner.
 __getattr__ = moved_attribute(

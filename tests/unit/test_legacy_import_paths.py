@@ -1,4 +1,6 @@
-"""The flat layout's import paths keep working after issue 40 (`rlver._moved`), each with a warning.
+"""The flat layout's import paths keep working after issue 40 where old things are read
+(`rlver.core.legacy_paths`: configs, checkpoints, plugins), each with a warning naming the release
+that drops them; a plain `import rlver` installs no import hook.
 
 What names them: recipes and configs saved beside checkpoints (`class_path: rlver.callbacks.BeforeAfter`),
 pickles, and plugins written against CONTRIBUTING's imports of the time (`rlver.interfaces`,
@@ -16,7 +18,7 @@ import textwrap
 import pytest
 import yaml
 
-from rlver._moved import MOVED_MODULES
+from rlver.core.legacy_paths import MOVED_MODULES, REMOVED_IN, legacy_module_paths
 from tests.conftest import REPO
 
 # Every module of the flat rlver/ folder (commit ede2239), besides the packages data/ and rl/.
@@ -89,9 +91,49 @@ def test_every_flat_module_has_a_home():
 @pytest.mark.parametrize(("old", "new"), sorted(MOVED_MODULES.items()))
 def test_an_old_module_path_is_the_new_module_with_a_warning(monkeypatch, old, new):
     monkeypatch.delitem(sys.modules, old, raising=False)  # as in a fresh process
-    with pytest.warns(DeprecationWarning, match=f"^{old} moved to {new}; import it from there$"):
+    message = f"^{old} moved to {new}; import it from there \\(the old path goes in rlver {REMOVED_IN}\\)$"
+    with legacy_module_paths(), pytest.warns(DeprecationWarning, match=message):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)  # the same module: classes stay identical
+
+
+def test_outside_what_reads_old_things_an_old_path_is_not_found(monkeypatch):
+    """The shim is scoped (as Lightning scopes its own to loading a checkpoint): `import rlver`
+    leaves sys.meta_path alone, and an old name imports only inside `legacy_module_paths()`."""
+    import rlver  # noqa: F401
+
+    monkeypatch.delitem(sys.modules, "rlver.callbacks", raising=False)
+    assert not [finder for finder in sys.meta_path if "legacy_paths" in type(finder).__module__]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("rlver.callbacks")
+    with legacy_module_paths(), pytest.warns(DeprecationWarning):
+        importlib.import_module("rlver.callbacks")
+    assert not [finder for finder in sys.meta_path if "legacy_paths" in type(finder).__module__]
+
+
+def test_a_checkpoint_pickling_an_old_module_path_loads(tmp_path):
+    """Lightning's hparams may hold pickled settings objects of the flat layout (weights_only=False)."""
+    import torch
+
+    from rlver.checkpoint.io import ShardedCheckpointReader, read_checkpoint_state
+    from rlver.core.types import UserTurn
+
+    path = tmp_path / "old.ckpt"
+    torch.save(
+        {"hyper_parameters": {"turn": UserTurn(text="hi", emotion=55.0)}},
+        path,
+        pickle_protocol=0,
+        _use_new_zipfile_serialization=False,
+    )  # no zip: the bytes may change length
+    data = path.read_bytes()
+    assert b"rlver.core.types\n" in data
+    sys.modules.pop("rlver.types", None)
+    path.write_bytes(data.replace(b"rlver.core.types\n", b"rlver.types\n"))
+    for loaded in (
+        read_checkpoint_state(path, weights_only=False),
+        ShardedCheckpointReader().load_checkpoint(path, weights_only=False),
+    ):
+        assert loaded["hyper_parameters"]["turn"] == UserTurn(text="hi", emotion=55.0)
 
 
 def test_the_old_rollout_module_names_come_from_the_package(monkeypatch):
@@ -113,7 +155,8 @@ def test_a_pickle_naming_an_old_module_loads():
     written = pickle.dumps(turn, protocol=0)  # text opcodes: the module path is a plain line
     assert b"rlver.core.types\n" in written
     old = written.replace(b"rlver.core.types\n", b"rlver.types\n")
-    assert pickle.loads(old) == turn
+    with legacy_module_paths():
+        assert pickle.loads(old) == turn
 
 
 def test_a_recipe_with_the_old_class_paths_parses(tmp_path):
@@ -202,7 +245,8 @@ def test_a_plugin_written_against_the_old_documented_imports_works(tmp_path):
     (tmp_path / "old_style_plugin.py").write_text(textwrap.dedent(OLD_STYLE_PLUGIN))
     spec = importlib.util.spec_from_file_location("old_style_plugin", tmp_path / "old_style_plugin.py")
     plugin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plugin)
+    with legacy_module_paths():  # as rlver imports a plugin from its entry point (Registry.load_entry_points)
+        spec.loader.exec_module(plugin)
     registry = Registry()
     registry.add(plugin, name="old_style")
 

@@ -1,23 +1,30 @@
-"""The flat layout's module paths, kept working: `rlver.callbacks` is `rlver.train.callbacks`.
+"""The flat layout's module paths, while something old is read: `rlver.callbacks` is `rlver.train.callbacks`.
 
-Recipes, configs saved beside checkpoints (`class_path: rlver.callbacks.BeforeAfter`), pickles and
-third-party plugins written before issue 40 name modules of the flat `rlver/` folder. Importing one
-of those names gives the module at its new home (the same module object, so classes stay
-identical) and warns once, with a DeprecationWarning naming the new path. `rlver.rollout`, a
-module then and a package now, forwards the old module's names the same way (`moved_attribute`).
+Recipes, configs saved beside checkpoints (`class_path: rlver.callbacks.BeforeAfter`), checkpoints
+and third-party plugins written before issue 40 name modules of the flat `rlver/` folder. Inside
+`legacy_module_paths()`, importing one of those names gives the module at its new home (the same
+module object, so classes stay identical) and warns once, with a DeprecationWarning naming the
+new path and the release that drops the old one (`REMOVED_IN`). rlver enters it only where such
+names are read: parsing and building a config (`rlver fit/validate/test`, `parse_recipe`), loading
+a checkpoint, and importing plugins from their entry points; an `import rlver` changes nothing
+else (no global import hook). `rlver.rollout`, a module then and a package now, forwards the old
+module's names the same way (`moved_attribute`).
 
 This file imports nothing from rlver: the finder imports a new home only when an old name is asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import sys
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
+
+REMOVED_IN = "0.3.0"  # the release whose configs, checkpoints and plugins no longer find the old paths
 
 # old module -> its home since issue 40 (the flat rlver/ folder split into subpackages)
 MOVED_MODULES = {
@@ -73,7 +80,11 @@ MOVED_MODULES = {
 
 def _warn(old: str, new: str) -> None:
     # stacklevel is not meaningful through the import machinery; the message names both paths.
-    warnings.warn(f"{old} moved to {new}; import it from there", DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"{old} moved to {new}; import it from there (the old path goes in rlver {REMOVED_IN})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 class _MovedModuleLoader(importlib.abc.Loader):
@@ -99,10 +110,19 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(new))
 
 
-def install() -> None:
-    """Put the finder on `sys.meta_path` once (the package root calls this on import)."""
-    if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.append(_MovedModuleFinder())
+@contextlib.contextmanager
+def legacy_module_paths() -> Iterator[None]:
+    """The flat layout's module paths import inside (at their new homes, with a warning).
+
+    Nested uses are fine; modules imported inside stay imported after (`sys.modules`), as any
+    import does: what ends is the finding of old names not yet imported.
+    """
+    finder = _MovedModuleFinder()
+    sys.meta_path.append(finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
 
 
 def moved_attribute(package: str, old_module_home: str, names: Collection[str]) -> Callable[[str], Any]:
