@@ -20,7 +20,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import krippendorff
 import numpy as np
 
 AGREEMENT_THRESHOLD = 0.667
@@ -40,6 +39,8 @@ def krippendorff_alpha(matrix: Sequence[Sequence[float | None]]) -> float | None
     scored = pairable[~np.isnan(pairable)]
     if scored.size == 0 or np.unique(scored).size < 2:
         return None
+    import krippendorff  # here, not at the top: `rlver fit` imports this module and never needs it
+
     return float(krippendorff.alpha(reliability_data=pairable, level_of_measurement="interval"))
 
 
