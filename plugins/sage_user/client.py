@@ -20,12 +20,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import sqlite3
 import threading
 from collections import Counter
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,7 +33,20 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from rlver.core.interfaces import SimulatorUnavailable
 
+from .endpoint import EndpointSettings
+
 T = TypeVar("T")
+
+__all__ = [
+    "ChatClient",
+    "EndpointConfigError",
+    "EndpointDown",
+    "EndpointError",
+    "EndpointSettings",
+    "LoopThread",
+    "ResponseCache",
+    "open_client",
+]
 
 
 class EndpointError(RuntimeError):
@@ -62,53 +73,11 @@ def _is_transient(error: BaseException) -> bool:
     return isinstance(error, _Transient | httpx.TimeoutException | httpx.TransportError)
 
 
-@dataclass(frozen=True)
-class EndpointSettings:
-    base_url: str
-    model: str
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_tokens: int = 512
-    timeout: float = 60.0
-    max_retries: int = 4
-    backoff_seconds: float = 1.0
-    backoff_max_seconds: float = 30.0
-    max_concurrency: int = 32
-    requests_per_second: float | None = None
-    max_failures_in_a_row: int = 8
-
-    def worst_request_seconds(self) -> float:
-        """One request's longest life: every attempt timing out, the longest backoff between them."""
-        return (self.max_retries + 1) * self.timeout + self.max_retries * self.backoff_max_seconds
-
-    def seconds_until_given_up(self) -> float | None:
-        """A dead endpoint: requests fail one after another (one dialogue per rank: in sequence)
-        until `max_failures_in_a_row` of them have; None when that limit is off (0)."""
-        if self.max_failures_in_a_row <= 0:
-            return None
-        return self.max_failures_in_a_row * self.worst_request_seconds()
-
-
-def read_api_key(api_key_env: str | None, problems: list[str]) -> str | None:
-    """The key from the named environment variable (None without one); a missing one is a problem."""
-    if not api_key_env:
-        return None
-    api_key = os.environ.get(api_key_env)
-    if not api_key:
-        problems.append(f"api_key_env: the environment variable {api_key_env} is not set")
-    return api_key
-
-
-def open_client(
-    loop: LoopThread,
-    api_key: str | None,
-    cache_path: str | None,
-    cache_only: bool,
-    **settings: Any,
-) -> ChatClient:
-    """A ChatClient on `loop` with EndpointSettings(**settings) and the optional response cache."""
-    cache = ResponseCache(cache_path) if cache_path else None
-    return ChatClient(EndpointSettings(**settings), api_key, loop, cache=cache, cache_only=cache_only)
+def open_client(loop: LoopThread, settings: EndpointSettings) -> ChatClient:
+    """A ChatClient on `loop` for `settings` (checked by the caller), with its response cache if
+    `settings.cache` names one; the key is read from `settings.api_key_env` here, and only here."""
+    cache = ResponseCache(settings.cache) if settings.cache else None
+    return ChatClient(settings, settings.api_key(), loop, cache=cache, cache_only=settings.cache_only)
 
 
 class LoopThread:

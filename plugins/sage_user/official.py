@@ -14,7 +14,7 @@ holds the files, or any folder above it). What rlver supplies, and nothing else:
 - their `call_llm` / `call_api`: one chat request with their prompt as the user message,
   through rlver's client (concurrent dialogues, bounded transport retries, rate limit,
   cache). Where their code would retry forever (an answer it cannot parse, a failing
-  endpoint), rlver stops after `max_attempts` calls of one step and ends the dialogue
+  endpoint), rlver stops after `max_reasks` calls of one step beyond the first and ends the dialogue
   with termination "simulator_error"; their `time.sleep(3)` between attempts is skipped
   (the client already backs off) and their `print(e)` is counted instead of printed;
 - the player state, built from rlver's profiles exactly as their loaders build it from
@@ -50,19 +50,14 @@ from rlver.core.interfaces import SimulatorUnavailable, UserSession, UserSimulat
 from rlver.core.seeding import stable_hash
 from rlver.core.types import Profile, UserTurn
 
-from .client import (
-    ChatClient,
-    EndpointError,
-    LoopThread,
-    open_client,
-    read_api_key,
-)
+from .client import ChatClient, EndpointError, LoopThread, open_client
+from .endpoint import OFFICIAL_RENAMES, accepts_renamed_options, endpoint_settings
 
 SIMULATOR_ERROR = "simulator_error"
 _GOODBYE = re.compile(r"\b(good\s?bye|bye)\b|再见|拜拜", re.IGNORECASE)
 
 # What an answer must look like for their parsers, as regular expressions for servers with
-# structured outputs (`structured: true`): a small user model then always answers readably.
+# structured outputs (`response_format: regex`): a small user model then always answers readably.
 _FIELD = r"[^\n]{1,%d}"
 ANSWER_PATTERNS = {
     "sage_planning": ("Content", "TargetCompletion", "Activity", "Analyse"),
@@ -390,10 +385,14 @@ class _Step(threading.local):
     stats: Counter[str] | None = None
 
 
+# What `response_format` may be: their text as it is, or held to their format by a regex.
+RESPONSE_FORMATS = ("text", "regex")
+
 # Seeds of different calls of one turn stay 1000 apart; attempts add 1.
 _SEED_OFFSETS = {None: 0, "sage_planning": 1, "reference_planning": 1, "reply": 2}
 
 
+@accepts_renamed_options(OFFICIAL_RENAMES)
 class _CodeDrivenSimulator(UserSimulator):
     protocol_class: type[_Protocol]
     waits_on_io = True  # their code calls the endpoint; sessions run in threads of their own
@@ -413,39 +412,22 @@ class _CodeDrivenSimulator(UserSimulator):
         backoff_seconds: float = 1.0,
         backoff_max_seconds: float = 30.0,
         max_failures_in_a_row: int = 8,
-        max_attempts: int = 3,
+        max_reasks: int = 2,
         max_concurrency: int = 32,
         requests_per_second: float | None = None,
-        cache_path: str | None = None,
+        cache: str | None = None,
         cache_only: bool = False,
-        structured: bool = False,
+        response_format: str = "text",
         field_max_chars: int = 200,
     ) -> None:
         self._options = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
-        problems = []
-        if not base_url.startswith(("http://", "https://")):
-            problems.append(f"base_url ({base_url!r}) must start with http:// or https://")
-        if timeout <= 0:
-            problems.append(f"timeout ({timeout}) must be > 0")
-        if max_retries < 0:
-            problems.append(f"max_retries ({max_retries}) must be >= 0")
-        if max_attempts < 1:
-            problems.append(f"max_attempts ({max_attempts}) must be >= 1")
-        if max_concurrency < 1:
-            problems.append(f"max_concurrency ({max_concurrency}) must be >= 1")
-        if requests_per_second is not None and requests_per_second <= 0:
-            problems.append(f"requests_per_second ({requests_per_second}) must be > 0")
-        if cache_only and not cache_path:
-            problems.append("cache_only needs cache_path")
-        if field_max_chars < 1:
-            problems.append(f"field_max_chars ({field_max_chars}) must be >= 1")
-        api_key = read_api_key(api_key_env, problems)
-        if problems:
-            raise ValueError(f"{self.protocol_class.name} simulator: " + "; ".join(problems))
+        settings = endpoint_settings(self._options)
+        problems = [] if field_max_chars >= 1 else [f"field_max_chars ({field_max_chars}) must be >= 1"]
+        settings.check(f"{self.protocol_class.name} simulator", RESPONSE_FORMATS, problems)
         self.counters: Counter[str] = Counter()
         self.seed = seed
-        self.max_attempts = max_attempts
-        self.structured = structured
+        self.max_reasks = max_reasks
+        self.structured = response_format == "regex"
         self.field_max_chars = field_max_chars
         self._step = _Step()
         try:
@@ -453,24 +435,7 @@ class _CodeDrivenSimulator(UserSimulator):
         except SimulatorCodeError as error:
             raise ValueError(f"{self.protocol_class.name} simulator: {error}") from None
         self._loop = LoopThread(f"rlver-{self.protocol_class.name}")
-        self.client = open_client(
-            self._loop,
-            api_key,
-            cache_path,
-            cache_only,
-            base_url=base_url,
-            model=model,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            timeout=timeout,
-            max_retries=max_retries,
-            backoff_seconds=backoff_seconds,
-            backoff_max_seconds=backoff_max_seconds,
-            max_failures_in_a_row=max_failures_in_a_row,
-            max_concurrency=max_concurrency,
-            requests_per_second=requests_per_second,
-        )
+        self.client = open_client(self._loop, settings)
         self._pool = ThreadPoolExecutor(
             max_workers=max_concurrency, thread_name_prefix=self.protocol_class.name
         )
@@ -498,9 +463,9 @@ class _CodeDrivenSimulator(UserSimulator):
         kind = self._answer_kind(str(prompt))
         attempts[kind or "other"] += 1
         attempt = attempts[kind or "other"]
-        if attempt > self.max_attempts:
+        if attempt > self.max_reasks + 1:
             self.counters["unparsed_answers"] += 1
-            raise _GaveUp(f"{kind or 'call'}: no usable answer after {self.max_attempts} attempts")
+            raise _GaveUp(f"{kind or 'call'}: no usable answer after {self.max_reasks + 1} attempts")
         if attempt > 1:  # their loop is asking again: the last answer did not parse
             self.counters["reasks"] += 1
             stats["reasks"] += 1
@@ -673,16 +638,19 @@ class SageOfficialSimulator(_CodeDrivenSimulator):
         max_failures_in_a_row: Requests failing all their retries one after another that mean
             the endpoint is down: the run stops (last.ckpt at the last finished step) with one
             error instead of failing every dialogue (0: never).
-        max_attempts: Calls one step of their code may make (their loops would retry forever);
+        max_reasks: Calls one step of their code may make again after the first (their loops
+            would retry forever; formerly `max_attempts`, which counted the first call too);
             then the dialogue ends with termination "simulator_error".
         max_concurrency: Dialogues (and requests) in flight at once.
         requests_per_second: Optional rate limit across all dialogues.
-        cache_path: Optional SQLite file caching answers by request, for replays.
-        cache_only: Answer only from the cache; needs cache_path.
-        structured: Send their answer format as a regex (vLLM structured outputs), so a small
-            user model still answers in the format their parser reads. Changes what the user
+        cache: Optional SQLite file caching answers by request, for replays (formerly
+            `cache_path`).
+        cache_only: Answer only from the cache; needs cache.
+        response_format: "text" (their answers as they come) or "regex": send their answer
+            format as a regex (vLLM structured outputs), so a small user model still answers in
+            the format their parser reads (formerly `structured: true`). Changes what the user
             model may say: for smoke tests, not for scores.
-        field_max_chars: With structured, the longest each answer field may be.
+        field_max_chars: With regex, the longest each answer field may be.
     """
 
     protocol_class = SageProtocol
@@ -712,13 +680,16 @@ class ReferenceUserSimulator(_CodeDrivenSimulator):
         max_failures_in_a_row: Requests failing all their retries one after another that mean
             the endpoint is down: the run stops (last.ckpt at the last finished step) with one
             error instead of failing every dialogue (0: never).
-        max_attempts: Calls one step of their code may make; then "simulator_error".
+        max_reasks: Calls one step of their code may make again after the first (formerly
+            `max_attempts`, which counted the first call too); then "simulator_error".
         max_concurrency: Dialogues (and requests) in flight at once.
         requests_per_second: Optional rate limit across all dialogues.
-        cache_path: Optional SQLite file caching answers by request, for replays.
-        cache_only: Answer only from the cache; needs cache_path.
-        structured: Send their answer format as a regex (vLLM structured outputs).
-        field_max_chars: With structured, the longest each answer field may be.
+        cache: Optional SQLite file caching answers by request, for replays (formerly
+            `cache_path`).
+        cache_only: Answer only from the cache; needs cache.
+        response_format: "text", or "regex": their answer format as a regex (vLLM structured
+            outputs; formerly `structured: true`).
+        field_max_chars: With regex, the longest each answer field may be.
     """
 
     protocol_class = ReferenceProtocol

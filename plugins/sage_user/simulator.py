@@ -37,7 +37,8 @@ from rlver.core.interfaces import UserSession, UserSimulator
 from rlver.core.seeding import stable_hash
 from rlver.core.types import Profile, UserTurn
 
-from .client import ChatClient, EndpointError, LoopThread, open_client, read_api_key
+from .client import ChatClient, EndpointError, LoopThread, open_client
+from .endpoint import CACHE_PATH, accepts_renamed_options, endpoint_settings
 from .parsing import ParseFailure, Planning, UserReply, parse_planning, parse_reply
 from .prompts import (
     PROMPT_SETS,
@@ -67,6 +68,7 @@ class _TurnFailed(Exception):
     """The call for this turn gave up; the message says why (for the transcript)."""
 
 
+@accepts_renamed_options(CACHE_PATH)
 class SageUserSimulator(UserSimulator):
     """SAGE's LLM-played user over any OpenAI-compatible chat endpoint."""
 
@@ -91,7 +93,7 @@ class SageUserSimulator(UserSimulator):
         max_reasks: int = 2,
         max_concurrency: int = 32,
         requests_per_second: float | None = None,
-        cache_path: str | None = None,
+        cache: str | None = None,
         cache_only: bool = False,
         response_format: str = "text",
         field_max_chars: int = 400,
@@ -123,9 +125,10 @@ class SageUserSimulator(UserSimulator):
             max_reasks: How often an answer that does not parse is asked for again.
             max_concurrency: Requests in flight at most.
             requests_per_second: Optional rate limit across all dialogues.
-            cache_path: Optional SQLite file caching answers by request, for replays.
+            cache: Optional SQLite file caching answers by request, for replays (formerly
+                `cache_path`, still read).
             cache_only: Answer only from the cache (a miss ends that dialogue with a
-                simulator error); needs cache_path.
+                simulator error); needs cache.
             response_format: "text" (SAGE's `Field:` lines) or "json_schema": the endpoint's
                 structured outputs force a JSON object with the same fields (OpenAI, vLLM and
                 SGLang servers support it), so even a small user model answers readably.
@@ -143,34 +146,18 @@ class SageUserSimulator(UserSimulator):
         # The options, for pickling: a copy in another process rebuilds its own client and
         # loop and reads the key from its own environment (the key is never pickled).
         self._options = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        # The endpoint's options are checked with the user's own, in one error.
+        settings = endpoint_settings(self._options)
         problems = []
-        if not base_url.startswith(("http://", "https://")):
-            problems.append(f"base_url ({base_url!r}) must start with http:// or https://")
         if language not in LANGUAGES:
             problems.append(f"language ({language!r}) must be one of {', '.join(LANGUAGES)}")
-        if timeout <= 0:
-            problems.append(f"timeout ({timeout}) must be > 0")
-        if max_retries < 0 or max_reasks < 0 or max_failures_in_a_row < 0:
-            problems.append("max_retries, max_reasks and max_failures_in_a_row must be >= 0")
-        if max_concurrency < 1:
-            problems.append(f"max_concurrency ({max_concurrency}) must be >= 1")
-        if requests_per_second is not None and requests_per_second <= 0:
-            problems.append(f"requests_per_second ({requests_per_second}) must be > 0")
-        if cache_only and not cache_path:
-            problems.append("cache_only needs cache_path")
-        if response_format not in RESPONSE_FORMATS:
-            problems.append(
-                f"response_format ({response_format!r}) must be one of {', '.join(RESPONSE_FORMATS)}"
-            )
         if field_max_chars < 1:
             problems.append(f"field_max_chars ({field_max_chars}) must be >= 1")
-        api_key = read_api_key(api_key_env, problems)
         try:
             self.difficulty: Difficulty = resolve_difficulty(difficulty)
         except (ValueError, TypeError) as error:
             problems.append(f"difficulty: {error}")
-        if problems:
-            raise ValueError("sage simulator: " + "; ".join(problems))
+        settings.check("sage simulator", RESPONSE_FORMATS, problems)
         self.language = language
         self.json_fields = response_format == "json_schema"
         self.parse_planning = functools.partial(parse_planning, strict=strict_parsing)
@@ -180,24 +167,7 @@ class SageUserSimulator(UserSimulator):
         self.max_reasks = max_reasks
         self.counters: Counter[str] = Counter()
         self._loop = LoopThread("rlver-sage-user")
-        self.client = open_client(
-            self._loop,
-            api_key,
-            cache_path,
-            cache_only,
-            base_url=base_url,
-            model=model,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            timeout=timeout,
-            max_retries=max_retries,
-            backoff_seconds=backoff_seconds,
-            backoff_max_seconds=backoff_max_seconds,
-            max_failures_in_a_row=max_failures_in_a_row,
-            max_concurrency=max_concurrency,
-            requests_per_second=requests_per_second,
-        )
+        self.client = open_client(self._loop, settings)
         self._finalizer = weakref.finalize(self, _shutdown, self.client, self._loop)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -68,37 +68,49 @@ def score_command(argv: Sequence[str]) -> int:
     )
     parser.add_argument(
         "--judge",
-        type=str | None,
+        type=str,
+        action="append",
         default=None,
         help="Also score every dialogue on a judge plugin's dimensions (empathy, insight, action, ...), "
         "shown beside Score: a judge name, a YAML/JSON mapping {name: dimensions, base_url: ..., "
-        "model: ...} or a file holding one. Each file's scores go to <file>.judged.jsonl beside it.",
+        "model: ...} or a file holding one. Each file's scores go to <file>.judged.jsonl beside it. "
+        "Several judges (--judge given again, or a YAML/JSON list of specs) make a pool: each "
+        "dimension is the judges' mean with their agreement beside it (Krippendorff's alpha; below "
+        "0.667 the cell says the judges disagree), each judge's scores in the judged file.",
     )
     cfg = parser.parse_args(list(argv))
     files = [load_scored_file(path) for path in cfg.files]
-    judged, dimensions = None, ()
+    judgements = None
     if cfg.judge:
-        from rlver.evaluate.judging import judge_and_write
+        from rlver.evaluate.judging import check_judge_spec, judge_and_write
 
-        judged, dimensions = judge_and_write(files, cfg.judge)
-    print(_leaderboard(files, judged, dimensions, None))
+        check_judge_spec(cfg.judge, "--judge")  # every judge of a pool, before any is asked
+        judgements = judge_and_write(files, cfg.judge)
+    print(_leaderboard(files, judgements, None))
     if cfg.by:
         print()
-        print(_leaderboard(files, judged, dimensions, cfg.by))
+        print(_leaderboard(files, judgements, cfg.by))
+    if judgements is not None and judgements.is_pool:
+        from rlver.evaluate.judge_pool import AGREEMENT_THRESHOLD
+
+        print(
+            f"\njudges: {', '.join(judgements.judges)}; each dimension is their mean, with Krippendorff's "
+            f"alpha (interval) over judges x dialogues; below {AGREEMENT_THRESHOLD} the judges disagree"
+        )
     if cfg.plot.lower() != "none":
         print(f"\nplot: {plot_trajectories(files, cfg.plot)}")
     return 0
 
 
-def _leaderboard(files: Sequence[Any], judged: Any, dimensions: tuple[str, ...], by: str | None) -> str:
+def _leaderboard(files: Sequence[Any], judgements: Any, by: str | None) -> str:
     from rlver.evaluate.judging import MISSING_COLUMN, add_dimensions
     from rlver.evaluate.score import leaderboard_markdown, leaderboard_rows
 
     rows = leaderboard_rows(files, by=by)
-    if judged is None:
+    if judgements is None:
         return leaderboard_markdown(rows, by=by)
-    rows = add_dimensions(rows, files, judged, dimensions, by=by)
-    return leaderboard_markdown(rows, by=by, extra=(*dimensions, MISSING_COLUMN))
+    rows = add_dimensions(rows, files, judgements, by=by)
+    return leaderboard_markdown(rows, by=by, extra=(*judgements.dimensions, MISSING_COLUMN))
 
 
 # --------------------------------------------------------------------------- rlver plan

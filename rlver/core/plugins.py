@@ -200,7 +200,11 @@ def split_spec(spec: str | Mapping[str, Any], *, flag: str) -> tuple[str, dict[s
 def check_options(
     factory: Callable[..., Any], options: Mapping[str, Any], *, flag: str, reserved: set[str]
 ) -> None:
-    """Reject options the factory does not accept, naming the flag and the accepted ones."""
+    """Reject options the factory does not accept, naming the flag and the accepted ones.
+
+    A factory may declare `renamed_options`, a mapping whose keys are old names of its options
+    that it still takes (mapping them itself, with a warning): those pass too, unlisted.
+    """
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide
@@ -211,8 +215,10 @@ def check_options(
     accepted = [
         n for n, p in params.items() if n not in reserved and n != "self" and p.kind is not p.VAR_POSITIONAL
     ]
+    renamed = getattr(factory, "renamed_options", None)
+    old_names = set(renamed) if isinstance(renamed, Mapping) else set()
     for key in options:
-        if key not in accepted:
+        if key not in accepted and key not in old_names:
             raise PluginError(f"{flag}.{key}: unknown option; accepted: {', '.join(accepted) or 'none'}")
 
 

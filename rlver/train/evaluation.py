@@ -14,7 +14,7 @@ from typing import Any
 from rlver.core.plugins import plain_config
 from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
-from rlver.evaluate.judging import MISSING_COLUMN, check_judge_spec, judge_test_records, judged_path
+from rlver.evaluate.judging import check_judge_spec, dimension_lines, judge_test_records, judged_path
 from rlver.evaluate.score import score_records, with_intervals
 from rlver.parallel.hang_watch import turn_progress
 from rlver.rollout.runner import RolloutSettings
@@ -84,10 +84,7 @@ def sentient_output(
         means, names = judge_test_records(
             list(zip(paths, parts, strict=True)), judge, flag="--model.judge", write=directory is not None
         )
-        dimensions = (
-            "".join(f"{name:<8} {'-' if means[name] is None else f'{means[name]:.1f}'}\n" for name in names)
-            + f"{MISSING_COLUMN}  {means[MISSING_COLUMN]}\n"
-        )
+        dimensions = dimension_lines(means, names)  # a pool's agreement beside each
         if directory is not None:
             dimensions += "judged   " + " ".join(str(judged_path(p)) for p in paths) + "\n"
     print(

@@ -110,7 +110,8 @@ class RLVERModule(L.LightningModule):
             ({max_importance_weight, max_staleness}); for users with real latency
             (rlver.rollout.overlap). None: every step trains on its own rollout.
         judge: `rlver test` only: a dialogue judge (as `rlver score --judge`) scores the test dialogues
-            by dimension, printed beside Score and written to `<records>.judged.jsonl`. None: no judge.
+            by dimension, printed beside Score and written to `<records>.judged.jsonl`; a list is a
+            pool of judges, each dimension printed with their agreement. None: no judge.
     """
 
     def __init__(
@@ -140,7 +141,7 @@ class RLVERModule(L.LightningModule):
         lora: LoraSettings | None = None,
         low_precision_weights: bool = False,
         overlap: OverlapSettings | None = None,
-        judge: ComponentSpec | None = None,
+        judge: ComponentSpec | list[ComponentSpec] | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False

@@ -42,7 +42,7 @@ def chaos_config(workdir: Path, model_dir: Path, server_url: str) -> Path:
         "model": "scripted-user",
         "timeout": 5,
         "language": "en",
-        "cache_path": "cache.sqlite",  # the working folder's: the same text in both runs' transcripts
+        "cache": "cache.sqlite",  # the working folder's: the same text in both runs' transcripts
     }
     twin["trainer"]["callbacks"].append({"class_path": "tests.harness.probes.Chaos"})
     config.write_text(yaml.safe_dump(twin, sort_keys=False))

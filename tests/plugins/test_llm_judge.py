@@ -143,7 +143,7 @@ def test_recorded_answers_good_bad_and_missing_never_crash_the_judge(tmp_path):
             dimensions=list(THREE),
             timeout=0.5,
             max_retries=1,
-            max_answer_retries=2,
+            max_reasks=2,
             cache=str(cache),
         )
         try:
@@ -159,7 +159,7 @@ def test_recorded_answers_good_bad_and_missing_never_crash_the_judge(tmp_path):
         {"empathy": None, "insight": 4.0, "action": 9.0},  # empathy out of range on every try
         {"empathy": None, "insight": None, "action": None},  # timed out after the client's retry
     ]
-    # Bounded: 1 + max_answer_retries asks at most, each re-ask with a new seed; a timeout is the
+    # Bounded: 1 + max_reasks asks at most, each re-ask with a new seed; a timeout is the
     # client's (1 + max_retries posts), not re-asked.
     assert responder.sent == {"Avery": 1, "Blake": 2, "Casey": 3, "Devon": 3, "Emery": 2}
     assert responder.seeds["Casey"] == [0, 1, 2]
@@ -172,7 +172,7 @@ def test_recorded_answers_good_bad_and_missing_never_crash_the_judge(tmp_path):
         base_url="http://127.0.0.1:9/v1",
         model="scripted-judge",
         dimensions=list(THREE),
-        max_answer_retries=2,
+        max_reasks=2,
         cache=str(cache),
         cache_only=True,
     )

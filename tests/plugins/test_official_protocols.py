@@ -212,7 +212,7 @@ def test_a_replay_from_the_cache_needs_no_endpoint(tmp_path):
     for record, run in zip(records, direct, strict=True):
         answer_for.update(zip(run["prompts"], recorded_answers(record), strict=False))
     cache = tmp_path / "cache.sqlite"
-    options = {**FAST, "cache_path": str(cache)}
+    options = {**FAST, "cache": str(cache)}
     with ScriptedServer(Script(responder=lambda p: answer_for.get(p["messages"][0]["content"]))) as server:
         first = _run_with(records, server.url, options)
     again = _run_with(records, "http://127.0.0.1:9/v1", {**options, "cache_only": True})  # nothing listens
@@ -239,12 +239,12 @@ def _run_with(records, url, options):
 
 
 # --------------------------------------------------------------------------- failures stay bounded
-def test_an_answer_their_parser_never_reads_ends_the_dialogue_after_max_attempts():
+def test_an_answer_their_parser_never_reads_ends_the_dialogue_after_max_reasks():
     """SAGE's planning loop retries forever on an answer without a number; rlver stops it."""
     record = json.loads(TRANSCRIPTS.read_text(encoding="utf-8").splitlines()[0])
     with ScriptedServer(Script(responder=lambda p: "Content:\nno number anywhere")) as server:
         simulator = SageOfficialSimulator(
-            code=str(PROTOCOL), base_url=server.url, model="garbled", max_attempts=3, **FAST
+            code=str(PROTOCOL), base_url=server.url, model="garbled", max_reasks=2, **FAST
         )
         session = simulator.open(profile_of(record), seed=0)
         session.opening()

@@ -251,7 +251,7 @@ def test_missing_key_variable_and_bad_options_fail_at_construction(monkeypatch):
         SageUserSimulator("http://127.0.0.1:9/v1", "m", api_key_env="RLVER_NO_SUCH_KEY")
     with pytest.raises(ValueError, match=r"base_url .* must start with http"):
         SageUserSimulator("127.0.0.1:9/v1", "m")
-    with pytest.raises(ValueError, match="cache_only needs cache_path"):
+    with pytest.raises(ValueError, match="cache_only needs cache"):
         SageUserSimulator("http://127.0.0.1:9/v1", "m", cache_only=True)
     with pytest.raises(ValueError, match="difficulty"):
         SageUserSimulator("http://127.0.0.1:9/v1", "m", difficulty="brutal")
@@ -359,7 +359,7 @@ def test_the_cache_replays_a_run_without_the_endpoint(tmp_path):
     profiles = [person("Ana"), person("Ben", first_talk=None)]
 
     def run(url, **options):
-        simulator = SageUserSimulator(url, "scripted-user", cache_path=str(cache), **FAST, **options)
+        simulator = SageUserSimulator(url, "scripted-user", cache=str(cache), **FAST, **options)
         sessions = [simulator.open(p, seed=7) for p in profiles]
         turns = [simulator.opening_batch(sessions)]
         turns.append(simulator.respond_batch(sessions, [EMPATHIC, "Hm."]))
@@ -375,7 +375,7 @@ def test_the_cache_replays_a_run_without_the_endpoint(tmp_path):
     assert replayed == recorded
     assert metrics["cache_hits"] == first_metrics["requests"] == 9
     assert "requests" not in metrics
-    simulator = SageUserSimulator(url, "scripted-user", cache_path=str(cache), cache_only=True, **FAST)
+    simulator = SageUserSimulator(url, "scripted-user", cache=str(cache), cache_only=True, **FAST)
     session = simulator.open(profiles[0], seed=8)  # another seed: requests the cache never saw
     simulator.opening_batch([session])
     turn = simulator.respond_batch([session], [EMPATHIC])[0]
@@ -664,7 +664,7 @@ def test_rlver_test_with_sages_own_code_against_a_real_vllm_server(tmp_path, vll
             code: {SAGE_PROTOCOL}
             base_url: {vllm_user_endpoint}
             model: tiny-user
-            structured: true
+            response_format: regex
             field_max_chars: 24
             max_tokens: 400
             timeout: 1800

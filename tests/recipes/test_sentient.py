@@ -72,7 +72,7 @@ def test_sentient_recipe_runs_the_protocol_and_scores_like_rlver_score(tmp_path,
             base_url=server.url,
             model="scripted-user",
             api_key_env=None,
-            cache_path=str(tmp_path / "c.sqlite"),
+            cache=str(tmp_path / "c.sqlite"),
         )
         model["rollout"].update(max_new_tokens=16, max_context_tokens=4096)
         model["judge"] = {
@@ -172,7 +172,7 @@ def test_the_leaderboard_recipe_runs_sages_own_code(tmp_path, tiny_model_dir):
         model.update(policy=str(tiny_model_dir), dtype="float32", engine="hf")
         model["simulator"].update(
             code=str(SAGE_PROTOCOL), base_url=server.url, model="scripted-user", api_key_env=None,
-            cache_path=str(tmp_path / "c.sqlite"),
+            cache=str(tmp_path / "c.sqlite"),
         )  # fmt: skip
         model["rollout"].update(max_turns=3, max_new_tokens=16, max_context_tokens=4096)
         recipe["data"]["batch_size"] = 2
