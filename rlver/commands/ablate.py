@@ -38,7 +38,7 @@ from rlver.commands.ablation_runs import (
     collect,
     is_finished,
 )
-from rlver.evaluate.ablation import summarize
+from rlver.evaluate.ablation import TRAINING_SIMULATOR, evaluation_matrix, summarize
 from rlver.evaluate.ablation_report import markdown, plot_curves
 
 STEP_LINE = re.compile(r"^step (\d+)(?:/(\d+))?\s")
@@ -136,10 +136,13 @@ def write_results(out: Path, arms: list[str] | None = None) -> dict[str, Any]:
             f"{out}: no finished run (each needs before_after.json with its after-training scores)"
         )
     summary = summarize(runs, arms)
+    if any(r.evaluator != TRAINING_SIMULATOR for r in runs):  # BeforeAfter had other evaluators
+        summary["evaluation_matrix"] = evaluation_matrix(runs, arms)
     summary["runs"] = [
         {
             "arm": r.arm,
             "seed": r.seed,
+            "evaluator": r.evaluator,
             "before": r.before,
             "after": r.after,
             "curve": r.curve,

@@ -175,15 +175,22 @@ def training_curve(log_folder: Path, tag: str = CURVE_TAG) -> dict[int, float]:
 
 
 def run_scores(folder: Path, arm: str, seed: int) -> RunScores | None:
-    """A finished run's scores (None if it has not finished)."""
+    """A finished run's scores against its training simulator (None if it has not finished)."""
+    scores = all_run_scores(folder, arm, seed)
+    return scores[0] if scores else None
+
+
+def all_run_scores(folder: Path, arm: str, seed: int) -> list[RunScores]:
+    """A finished run's scores: against its training simulator first, then against each of
+    BeforeAfter's other evaluators (`evaluations` in before_after.json); [] if unfinished."""
     if not is_finished(folder):
-        return None
+        return []
     record = before_after(folder)
     if not record or not record.get("after"):
-        return None
+        return []
     done = folder / DONE_FILE
     seconds = json.loads(done.read_text()).get("seconds") if done.is_file() else None
-    return RunScores(
+    trained = RunScores(
         arm=arm,
         seed=seed,
         after=record["after"],
@@ -192,6 +199,12 @@ def run_scores(folder: Path, arm: str, seed: int) -> RunScores | None:
         seconds=seconds,
         gaming=(record.get("gaming") or {}).get("after"),
     )
+    others = [
+        RunScores(arm=arm, seed=seed, after=scores["after"], before=scores.get("before"), evaluator=label)
+        for label, scores in (record.get("evaluations") or {}).items()
+        if scores.get("after")
+    ]
+    return [trained, *others]
 
 
 def collect(out: Path, arms: list[str] | None = None) -> tuple[list[str], list[RunScores]]:
@@ -209,7 +222,5 @@ def collect(out: Path, arms: list[str] | None = None) -> tuple[list[str], list[R
                 seed = int(folder.name.removeprefix("seed-"))
             except ValueError:
                 continue
-            scores = run_scores(folder, arm, seed)
-            if scores is not None:
-                runs.append(scores)
-    return arms, sorted(runs, key=lambda r: (arms.index(r.arm), r.seed))
+            runs.extend(all_run_scores(folder, arm, seed))
+    return arms, sorted(runs, key=lambda r: (arms.index(r.arm), r.seed, r.evaluator != "train", r.evaluator))

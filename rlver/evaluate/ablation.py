@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rlver.evaluate.intervals import mean_interval, paired_by_key, training_rise
 
 # The training reward's tail: the mean of a run's last steps, a less noisy end point than one step.
 TAIL_STEPS = 3
+# The evaluation against the users each run trained against (BeforeAfter's own scores).
+TRAINING_SIMULATOR = "train"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class RunScores:
     curve: Mapping[int, float] = field(default_factory=dict)
     seconds: float | None = None
     gaming: Mapping[str, Any] | None = None  # BeforeAfter's shares of the after-training replies
+    evaluator: str = TRAINING_SIMULATOR  # whose users gave the scores (BeforeAfter's evaluator label)
 
     @property
     def after_mean(self) -> float:
@@ -187,8 +190,10 @@ def _run_detail(run: RunScores) -> dict[str, Any]:
 def summarize(runs: Sequence[RunScores], arms: Sequence[str]) -> dict[str, Any]:
     """The ablation's results as plain data (results.json): per arm, then paired to `arms[0]`.
 
-    Arms without a finished run are listed with `runs: 0`; they get no numbers.
+    Arms without a finished run are listed with `runs: 0`; they get no numbers. Only the scores
+    against each run's training simulator count here (`evaluation_matrix` has the others).
     """
+    runs = [r for r in runs if r.evaluator == TRAINING_SIMULATOR]
     by_arm = {name: sorted((r for r in runs if r.arm == name), key=lambda r: r.seed) for name in arms}
     summary: dict[str, Any] = {"reference": arms[0] if arms else None, "arms": {}, "tail_steps": TAIL_STEPS}
     for name, arm_runs in by_arm.items():
@@ -217,3 +222,28 @@ def summarize(runs: Sequence[RunScores], arms: Sequence[str]) -> dict[str, Any]:
                     row["difference"] = {"error": str(error)}
         summary["arms"][name] = row
     return summary
+
+
+def evaluation_matrix(runs: Sequence[RunScores], arms: Sequence[str]) -> dict[str, Any]:
+    """The train x evaluation matrix: for each evaluation (the training simulator, `train`, and
+    every other simulator BeforeAfter scored with), each arm's greedy score after training, its
+    gain over before paired per user with a t interval over seeds, and its paired difference to
+    the reference arm (`summarize`'s rule: per seed, then t over the seeds).
+
+    {"evaluators": [...], "cells": {arm: {evaluator: {after, gain, gain_interval, difference}}}}.
+    """
+    evaluators = [TRAINING_SIMULATOR, *sorted({r.evaluator for r in runs} - {TRAINING_SIMULATOR})]
+    cells: dict[str, dict[str, Any]] = {arm: {} for arm in arms}
+    for evaluator in evaluators:
+        scored = [replace(r, evaluator=TRAINING_SIMULATOR) for r in runs if r.evaluator == evaluator]
+        summary = summarize(scored, arms)
+        for arm, row in summary["arms"].items():
+            if row["runs"]:
+                cells[arm][evaluator] = {
+                    "runs": row["runs"],
+                    "after": row["after"],
+                    "gain": row["gain"],
+                    "gain_interval": row["gain_interval"],
+                    "difference": row.get("difference"),
+                }
+    return {"reference": arms[0] if arms else None, "evaluators": evaluators, "cells": cells}

@@ -65,7 +65,8 @@ def markdown(summary: dict[str, Any], title: str = "Ablation") -> str:
     for name, row in arms.items():
         if row["runs"]:
             lines.append(f"| {name} | {_difference_cell(row.get('difference'))} |")
-    lines += ["", *_gain_over_seeds(arms), "", *_per_run(arms), "", *_gaming(arms)]
+    lines += ["", *_matrix(summary.get("evaluation_matrix")), *_gain_over_seeds(arms), "", *_per_run(arms)]
+    lines += ["", *_gaming(arms)]
     with_curves = [name for name, row in arms.items() if row.get("curve")]
     if with_curves:
         steps = sorted({int(step) for name in with_curves for step in arms[name]["curve"]})
@@ -80,6 +81,47 @@ def markdown(summary: dict[str, Any], title: str = "Ablation") -> str:
             cells = [_cell(arms[name]["curve"].get(str(step))) for name in with_curves]
             lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _matrix(matrix: dict[str, Any] | None) -> list[str]:
+    """The train x evaluation matrix: each arm (what it trained against) scored by every evaluation
+    simulator; empty when BeforeAfter had no other evaluators."""
+    if not matrix:
+        return []
+    evaluators = matrix["evaluators"]
+    header = " | ".join(f"on {name}" for name in evaluators)
+    lines = [
+        "Train x evaluation: each arm's greedy score after training on the held-out users of every"
+        " evaluation simulator (`train`: the one it trained against; the others: users it never trained"
+        " against). Gain: after minus before, paired per user, t interval over seeds; Δ: the paired"
+        f" difference to `{matrix['reference']}` (same seed, same users). A gain `train` shows and"
+        " the others do not is the training simulator's, not the users'.",
+        "",
+        f"| arm | {header} |",
+        "|---" * (len(evaluators) + 1) + "|",
+    ]
+    for arm, row in matrix["cells"].items():
+        cells = []
+        for name in evaluators:
+            cell = row.get(name)
+            if cell is None:
+                cells.append("n/a")
+                continue
+            text = f"{_cell(cell['after'])}; gain {_interval_cell(cell['gain'], cell['gain_interval'])}"
+            difference = cell.get("difference")
+            if difference is not None and "error" not in difference:
+                text += f"; Δ {difference['mean']:+.1f} [{difference['low']:+.1f}, {difference['high']:+.1f}]"
+            cells.append(text)
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _interval_cell(gain: dict[str, float] | None, interval: dict[str, Any] | None) -> str:
+    if gain is None:
+        return "n/a"
+    if interval is None:
+        return f"{gain['mean']:+.1f} (one seed)"
+    return f"{interval['mean']:+.1f} [{interval['low']:+.1f}, {interval['high']:+.1f}]"
 
 
 def _gain_over_seeds(arms: dict[str, Any]) -> list[str]:

@@ -50,6 +50,13 @@ class BeforeAfter(L.Callback):
         transcripts: Also write the evaluation's dialogues to `<log dir>/before_after/before.jsonl`
             and `after.jsonl` (rlver's transcript format, with each user turn's judgement): what
             the greedy policy said, to read why a score moved (about 3 KB a dialogue).
+        evaluators: Other simulated users to score the policy with, before and after, beside the
+            training simulator: each a simulator spec as `--model.simulator` takes it, with an
+            optional `label` (default: its name and options), e.g. `[{name: embedded, judge:
+            rubric, label: rubric}, {name: sage, base_url: ...}]`. A gain the training simulator
+            shows but users the policy never trained against do not is a gamed simulator. Each is
+            printed with its own paired change and written under `evaluations` in
+            `before_after.json` (`rlver ablate` shows the train x evaluation matrix).
     """
 
     def __init__(
@@ -60,6 +67,7 @@ class BeforeAfter(L.Callback):
         samples: int = 1,
         difficulty: str | None = None,
         transcripts: bool = True,
+        evaluators: list[str | dict[str, Any]] | None = None,
     ) -> None:
         if difficulty is not None and difficulty not in DIFFICULTIES:
             raise ValueError(
@@ -78,23 +86,33 @@ class BeforeAfter(L.Callback):
         self.curve: dict[int, float] = {}
         self._log_dir: str | None = None
         self.gaming: dict[str, GamingShares] = {}  # "before", "after": what the replies show
+        self.evaluators = evaluator_specs(evaluators or [])  # label -> simulator spec
+        self._simulators: dict[str, Any] = {}  # built at the first evaluation, closed at the end
+        self.other_before: dict[str, dict[str, float]] = {}  # label -> "before" scores
 
-    def _finals(self, trainer: L.Trainer, pl_module: Any, stage: str) -> dict[str, float]:
+    def _finals(
+        self, trainer: L.Trainer, pl_module: Any, stage: str, label: str | None = None
+    ) -> dict[str, float]:
+        """Each user's score at `stage`, against the training simulator or evaluator `label`."""
         profiles = trainer.datamodule.profiles(self.split)
         profiles = profiles[: self.limit] if self.limit else profiles
         if self.difficulty is not None:
             profiles = [replace(p, extra={**p.extra, "difficulty": self.difficulty}) for p in profiles]
         # Every rank talks with the same users: rank 0 writes them.
         keep = self.transcripts and self._log_dir and trainer.global_rank == 0
-        path = Path(self._log_dir or "") / "before_after" / f"{stage}.jsonl" if keep else None
+        name = stage if label is None else f"{stage}.{label}"
+        path = Path(self._log_dir or "") / "before_after" / f"{name}.jsonl" if keep else None
         seen: list[Any] = []
+        other = {} if label is None else {"simulator": self._simulator(label)}
 
         def evaluate(batch: Sequence[Any], seed: int) -> list[Any]:
-            trajectories = pl_module.evaluation_rollouts(batch, seed=seed)
+            trajectories = pl_module.evaluation_rollouts(batch, seed=seed, **other)
             seen.extend(trajectories)
             return trajectories
 
         scores = heldout_scores(evaluate, profiles, self.seed, self.samples, path)
+        if label is not None:
+            return scores
         self.gaming[stage] = gaming_shares(seen)
         if path is not None:  # the shares and the top openings beside the transcripts they count
             path.with_suffix(".gaming.json").write_text(json.dumps(self.gaming[stage].as_record(), indent=1))
@@ -114,9 +132,18 @@ class BeforeAfter(L.Callback):
             # Steps after the checkpoint are trained again: keep only the ones it holds.
             curve = saved.get("training_curve") or {}
             self.curve = {int(k): float(v) for k, v in curve.items() if int(k) <= trainer.global_step}
+            evaluations = saved.get("evaluations") or {}
+            self.other_before = {
+                label: evaluations[label]["before"]
+                for label in self.evaluators
+                if (evaluations.get(label) or {}).get("before") is not None
+            }
             return
         with phase(f"talking with {self._users(trainer)} before training (greedy)"):
             self.before = self._finals(trainer, pl_module, "before")
+        for label in self.evaluators:
+            with phase(f"talking with {self._users(trainer)} of {label} before training (greedy)"):
+                self.other_before[label] = self._finals(trainer, pl_module, "before", label)
         if trainer.global_rank == 0:
             self._write_progress()
 
@@ -128,6 +155,7 @@ class BeforeAfter(L.Callback):
             "seed": self.seed,
             "samples": self.samples,
             "difficulty": self.difficulty,
+            **({"evaluators": self.evaluators} if self.evaluators else {}),
         }
 
     def _saved(self, log_dir: str | None) -> dict[str, Any]:
@@ -144,6 +172,19 @@ class BeforeAfter(L.Callback):
             return {}
         return record
 
+    def _simulator(self, label: str) -> Any:
+        if label not in self._simulators:
+            from rlver.core.plugins import get_registry
+
+            flag = f"BeforeAfter evaluators[{list(self.evaluators).index(label)}]"
+            self._simulators[label] = get_registry().build("simulators", self.evaluators[label], flag=flag)
+        return self._simulators[label]
+
+    def _close_simulators(self) -> None:
+        for simulator in self._simulators.values():
+            simulator.close()
+        self._simulators = {}
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         value = trainer.callback_metrics.get(TRAINING_CURVE_METRIC)
         if value is None:
@@ -156,6 +197,10 @@ class BeforeAfter(L.Callback):
         """The record of a run under way: the "before" scores and the curve so far, no "after"."""
         if self._log_dir:
             record = {"step": 0, "before": self.before, "after": None, "training_curve": self.curve}
+            if self.other_before:
+                record["evaluations"] = {
+                    label: {"before": before, "after": None} for label, before in self.other_before.items()
+                }
             self._write(self._log_dir, {**self._settings(), **record})
 
     @staticmethod
@@ -169,6 +214,11 @@ class BeforeAfter(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         with phase(f"talking with {self._users(trainer)} after training (greedy)"):
             after = self._finals(trainer, pl_module, "after")
+        other_after = {}
+        for label in self.evaluators:
+            with phase(f"talking with {self._users(trainer)} of {label} after training (greedy)"):
+                other_after[label] = self._finals(trainer, pl_module, "after", label)
+        self._close_simulators()
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
         checkpoint = last_checkpoint_path(trainer)
         if trainer.global_rank != 0:
@@ -189,6 +239,23 @@ class BeforeAfter(L.Callback):
             )
         else:
             lines.append(f"  after {trainer.global_step} steps  {mean_after:.1f}  (resumed run: no 'before')")
+        evaluations = {}
+        for label, scores in other_after.items():
+            before = self.other_before.get(label)
+            other_change = paired_by_key(before, scores) if before is not None else None
+            evaluations[label] = {
+                "spec": self.evaluators[label],
+                "before": before,
+                "after": scores,
+                "change": other_change.as_dict() if other_change is not None else None,
+            }
+            mean = sum(scores.values()) / max(len(scores), 1)
+            shown = (
+                f"{other_change.before:.1f} -> {mean:.1f}  ({other_change.format()})"
+                if other_change
+                else f"{mean:.1f}"
+            )
+            lines.append(f"  on {label}  {shown}  (users the policy did not train against)")
         for stage in ("before", "after"):
             if stage in self.gaming:
                 lines.append(f"  {stage:<6} {self.gaming[stage].line()}")
@@ -206,6 +273,7 @@ class BeforeAfter(L.Callback):
             "change": change.as_dict() if change is not None else None,
             "training_curve": self.curve,
             "gaming": {stage: shares.as_record() for stage, shares in self.gaming.items()},
+            **({"evaluations": evaluations} if evaluations else {}),
             "training_rise": None
             if rise is None
             else {"first": rise.first, "last": rise.last, **rise.rise.as_dict()},
@@ -218,6 +286,34 @@ class BeforeAfter(L.Callback):
             f"  export      rlver export --ckpt {checkpoint} --out <folder>",
         ]
         print("\n".join(lines), flush=True)
+
+
+def evaluator_specs(specs: Sequence[str | dict[str, Any]]) -> dict[str, dict[str, Any] | str]:
+    """BeforeAfter's evaluators by label, each checked against the installed simulators now (an
+    unknown name or option fails before training, naming `BeforeAfter evaluators[i]`)."""
+    from rlver.core.plugins import get_registry, plain_config
+
+    labelled: dict[str, dict[str, Any] | str] = {}
+    for index, spec in enumerate(specs):
+        spec = plain_config(spec)
+        flag = f"BeforeAfter evaluators[{index}]"
+        if isinstance(spec, dict):
+            spec = dict(spec)
+            label = str(spec.pop("label", "") or _default_label(spec))
+        elif isinstance(spec, str):
+            label = spec
+        else:
+            raise ValueError(f"{flag}: a simulator name or mapping, got {spec!r}")
+        if label in labelled or label == "train":
+            raise ValueError(f"{flag}: the label {label!r} is taken; give each evaluator its own `label`")
+        get_registry().check("simulators", spec, flag=flag)
+        labelled[label] = spec
+    return labelled
+
+
+def _default_label(spec: dict[str, Any]) -> str:
+    options = ",".join(f"{key}={value}" for key, value in sorted(spec.items()) if key != "name")
+    return f"{spec.get('name', '?')}({options})" if options else str(spec.get("name", "?"))
 
 
 def heldout_scores(

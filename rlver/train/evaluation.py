@@ -135,15 +135,17 @@ class Evaluator:
         self.policy, self.judge = policy, plain_config(judge)
         self.test_trajectories: list[Trajectory] = []
 
-    def dialogues(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:
-        """Dialogues with `profiles` at the evaluation temperature, weights as they are now."""
+    def dialogues(self, profiles: Sequence[Any], seed: int, simulator: Any = None) -> list[Trajectory]:
+        """Dialogues with `profiles` at the evaluation temperature, weights as they are now; with
+        `simulator`, against those users instead of the training simulator's."""
         runner = self.rollouts.runner
-        previous, runner.settings = runner.settings, self.settings
+        previous = runner.settings, runner.simulator
+        runner.settings, runner.simulator = self.settings, simulator or runner.simulator
         try:
             with self.rollouts.generation_weights():
                 return runner.run(list(profiles), seed=seed, on_turn=turn_progress(self.module._trainer))
         finally:
-            runner.settings = previous
+            runner.settings, runner.simulator = previous
 
     def evaluate(self, batch: Sequence[Any], batch_idx: int, split: str) -> None:
         """One validation or test batch: its dialogues, transcripts and `<split>/` metrics."""

@@ -351,10 +351,13 @@ class RLVERModule(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self.evaluator.end_test()
 
-    def evaluation_rollouts(self, profiles: Sequence[Any], seed: int) -> list[Trajectory]:
+    def evaluation_rollouts(
+        self, profiles: Sequence[Any], seed: int, simulator: Any = None
+    ) -> list[Trajectory]:
         """Dialogues with `profiles` at `eval_temperature` (greedy by default), weights as they are
-        now (for callbacks: `BeforeAfter` scores the policy with it)."""
-        return self.evaluator.dialogues(profiles, seed)
+        now, against the training simulator or `simulator` (for callbacks: `BeforeAfter` scores
+        the policy with it, on the training users and on users it never trained against)."""
+        return self.evaluator.dialogues(profiles, seed, simulator)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[RNG_KEY] = rng_state()

@@ -359,6 +359,41 @@ def test_collect_builds_the_tables_from_run_folders_made_anywhere(tmp_path, caps
         ablate_command(["--collect", str(tmp_path / "none")])
 
 
+def test_the_train_x_evaluation_matrix_pairs_each_evaluator_over_seeds(tmp_path, capsys):
+    """Issue 56 (4): arms trained against different users, each scored by its training simulator
+    and by `strict` (BeforeAfter's evaluator): one row per arm, one column per evaluator, the gain
+    with a t interval over seeds and the paired difference to the reference arm."""
+    out = tmp_path / "matrix"
+    users = {"u1": 30.0, "u2": 40.0}
+    # arm "soft" gains +4/+6 on its own simulator and +0/+1 on strict; "hard" +1/+2 and +2/+3
+    for arm, own, strict in (("soft", (4.0, 6.0), (0.0, 1.0)), ("hard", (1.0, 2.0), (2.0, 3.0))):
+        for seed in (0, 1):
+            folder = out / arm / f"seed-{seed}"
+            write_run(folder, users, {u: v + own[seed] for u, v in users.items()}, [{0: 1.0}], 3)
+            path = folder / "tensorboard" / "before_after.json"
+            record = json.loads(path.read_text())
+            strict_after = {u: v + strict[seed] for u, v in users.items()}
+            record["evaluations"] = {"strict": {"before": users, "after": strict_after}}
+            path.write_text(json.dumps(record))
+    assert ablate_command(["--collect", str(out)]) == 0
+    capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    assert results["arms"]["hard"]["after"]["mean"] == pytest.approx(36.5)  # the training simulator's only
+    matrix = results["evaluation_matrix"]
+    assert matrix["evaluators"] == ["train", "strict"] and matrix["reference"] == "hard"
+    soft = matrix["cells"]["soft"]
+    assert soft["train"]["gain"]["mean"] == pytest.approx(5.0) and soft["strict"]["gain"][
+        "mean"
+    ] == pytest.approx(0.5)
+    assert soft["strict"]["gain_interval"]["count"] == 2  # over the two seeds
+    assert soft["strict"]["difference"]["mean"] == pytest.approx(-2.0)  # 0 - 2, 1 - 3: paired by seed
+    assert soft["strict"]["difference"]["unit"] == "seeds"
+    report = (out / "results.md").read_text()
+    assert "| arm | on train | on strict |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| soft | ") and "gain" in line)
+    assert "gain +5.0 [" in row and "gain +0.5 [" in row and "Δ -2.0 [" in row
+
+
 # --------------------------------------------------------------------------- end to end (slow)
 def tiny_quickstart(folder, model_dir):
     """The quickstart on the tiny model (hf engine, float32, short replies), checkpointing every step,

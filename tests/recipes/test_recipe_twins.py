@@ -142,6 +142,12 @@ def test_laptop_recipe_twin_trains(recipe, tmp_path, tiny_model_dir):
         for d in dialogues
     )
     assert f"runs/{recipe}/checkpoints/last.ckpt" in result.stdout
+    if recipe == "quickstart_hard":  # and users it never trained against (issue 56): the rubric alone
+        assert re.search(r"on rubric\s+[\d.]+ -> [\d.]+\s+\([+-][\d.]+", result.stdout)
+        rubric = scores["evaluations"]["rubric"]
+        assert set(rubric["before"]) == set(rubric["after"]) == set(scores["after"])
+        assert rubric["spec"] == {"name": "embedded", "judge": "rubric", "difficulty": "normal"}
+        assert (record.parent / "before_after" / "after.rubric.jsonl").is_file()
 
 
 @pytest.mark.parametrize("recipe", ["sentient_eval", "sentient_eval_own_prompts"])

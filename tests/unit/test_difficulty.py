@@ -368,3 +368,25 @@ def test_the_ablation_recipes_differ_only_in_difficulty_and_run_name():
         model = parse_recipe(str(REPO / "recipes" / f"env_{level}.yaml")).model
         assert model.simulator["name"] == "sage" and model.simulator["difficulty"] == level
         assert resolve_difficulty(model.simulator["difficulty"]).name == level
+
+
+def test_evaluation_rollouts_talk_with_another_simulator_then_restore_the_training_one():
+    """BeforeAfter's evaluators (issue 56): the runner meets the other simulator's users at the
+    evaluation temperature, and the training simulator and settings are back afterwards."""
+    module = RLVERModule(eval_temperature=0.0)
+    training_simulator, other = module.simulator, SimpleNamespace(name="other")
+    seen = []
+
+    class Runner:
+        engine = _UnusedEngine()
+        settings, simulator = module.rollout_settings, training_simulator
+
+        def run(self, profiles, seed, **options):
+            seen.append((self.simulator, self.settings.temperature))
+            return []
+
+    module.rollouts.runner = Runner()
+    module.evaluation_rollouts([make_profile("p0")], seed=0, simulator=other)
+    module.evaluation_rollouts([make_profile("p0")], seed=0)
+    assert seen == [(other, 0.0), (training_simulator, 0.0)]
+    assert module.runner.simulator is training_simulator and module.runner.settings is module.rollout_settings

@@ -202,3 +202,66 @@ def test_before_after_keeps_the_training_curve_through_a_resume_and_prints_its_r
     assert "training reward  31.0 -> 35.0 (+4.0 [-2.1, +10.1])" in out and "of 8 steps" in out
     record = json.loads((tmp_path / "before_after.json").read_text())
     assert record["training_rise"]["mean"] == pytest.approx(4.0) and len(record["training_curve"]) == 8
+
+
+class _ScoredBySimulator:
+    """An `evaluation_rollouts` whose users are the training simulator's (no `simulator`) or an
+    evaluator's: each scores a user from the stage (before / after) and who is judging."""
+
+    def __init__(self, module, scores):
+        self.module, self.scores, self.seen = module, scores, []
+
+    def __call__(self, profiles, *, seed, simulator=None):
+        judge = "train" if simulator is None else simulator.label
+        self.seen.append(judge)
+        return [_Dialogue(p.id, self.scores(judge, self.module.trained, p)) for p in profiles]
+
+
+def test_before_after_scores_the_policy_with_users_it_never_trained_against(tmp_path, capsys, monkeypatch):
+    """Issue 56 (4): the training simulator says +4, the other evaluator sees no gain: both are
+    printed with their paired change, and `evaluations` in before_after.json keeps the other's."""
+    from rlver.core import plugins
+
+    built = []
+
+    class FakeRegistry:
+        def check(self, kind, spec, flag):
+            assert kind == "simulators" and flag.startswith("BeforeAfter evaluators[")
+
+        def build(self, kind, spec, flag):
+            built.append(spec)
+            return SimpleNamespace(label="strict", close=lambda: built.append("closed"))
+
+    monkeypatch.setattr(plugins, "get_registry", FakeRegistry)
+    profiles = _profiles("u1", "u2", "u3")
+    module = SimpleNamespace(
+        runner=SimpleNamespace(engine=SimpleNamespace(sync_weights=lambda: None)), trained=False
+    )
+    gains = {"u1": 3.0, "u2": 4.0, "u3": 5.0}
+    module.evaluation_rollouts = _ScoredBySimulator(
+        module, lambda judge, trained, p: 30.0 + (gains[p.id] if trained and judge == "train" else 0.0)
+    )
+    callback = BeforeAfter(evaluators=[{"name": "embedded", "judge": "rubric", "label": "strict"}])
+    assert callback.evaluators == {"strict": {"name": "embedded", "judge": "rubric"}}
+    callback.on_train_start(_trainer(profiles, 0, tmp_path), module)
+    module.trained = True
+    callback.on_train_end(_trainer(profiles, 3, tmp_path), module)
+    assert module.evaluation_rollouts.seen == ["train", "strict", "train", "strict"]
+    assert built == [{"name": "embedded", "judge": "rubric"}, "closed"]  # built once, closed at the end
+    out = capsys.readouterr().out
+    assert "after 3 steps  34.0  (+4.0 [+1.5, +6.5]; 3/3 users ended happier)" in out
+    assert "on strict  30.0 -> 30.0  (+0.0 [+0.0, +0.0]; 0/3 users ended happier)" in out
+    record = json.loads((tmp_path / "before_after.json").read_text())
+    strict = record["evaluations"]["strict"]
+    assert strict["before"] == strict["after"] == {"u1": 30.0, "u2": 30.0, "u3": 30.0}
+    assert strict["change"]["change_mean"] == 0.0 and strict["spec"] == {"name": "embedded", "judge": "rubric"}
+    assert (tmp_path / "before_after" / "after.strict.jsonl").is_file()
+
+
+def test_before_after_refuses_evaluators_that_share_a_label():
+    from rlver.core.plugins import PluginError
+
+    with pytest.raises(ValueError, match=r"BeforeAfter evaluators\[1\]: the label 'embedded' is taken"):
+        BeforeAfter(evaluators=["embedded", "embedded"])
+    with pytest.raises(PluginError, match=r"BeforeAfter evaluators\[0\]: unknown simulator"):
+        BeforeAfter(evaluators=[{"name": "no_such_simulator"}])
