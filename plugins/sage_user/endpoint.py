@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rlver.core.interfaces import Component
+
 # What `response_format` may ask the server for. Each client accepts the ones it can read.
 RESPONSE_FORMATS = {
     "text": "plain text, read by the client's own parser",
@@ -154,7 +156,7 @@ OFFICIAL_RENAMES = {
 }
 
 _warned: set[tuple[str, str]] = set()  # (class, old name): each warns once per process
-C = TypeVar("C", bound=type)
+C = TypeVar("C", bound=type[Component])
 
 
 def accepts_renamed_options(renames: Mapping[str, Renamed]) -> Callable[[C], C]:
@@ -177,7 +179,7 @@ def accepts_renamed_options(renames: Mapping[str, Renamed]) -> Callable[[C], C]:
             init(self, *args, **options)
 
         cls.__init__ = __init__  # type: ignore[misc]
-        cls.renamed_options = {**getattr(cls, "renamed_options", {}), **renames}  # type: ignore[attr-defined]
+        cls.renamed_options = {**cls.renamed_options, **renames}
         return cls
 
     return decorate

@@ -7,9 +7,9 @@ are the options a config may set; `rlver.core.plugins.build` checks them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from rlver.core.emotion import Difficulty
 from rlver.core.trajectory import ParsedReply, Trajectory
@@ -27,6 +27,17 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- simulators
+class Component(ABC):  # noqa: B024 - a base for the interfaces, which declare the abstract methods
+    """What every interface a plugin registers shares.
+
+    `renamed_options`: old names of constructor options the class still takes (it maps them to
+    the new ones itself, with a warning), so a config written with them passes the registry's
+    option check; the keys are what counts. Empty by default.
+    """
+
+    renamed_options: ClassVar[Mapping[str, object]] = {}
+
+
 class SimulatorUnavailable(RuntimeError):
     """The simulator cannot go on at all (endpoint down, key or model rejected).
 
@@ -89,7 +100,7 @@ class UserSession(ABC):
         raise NotImplementedError
 
 
-class UserSimulator(ABC):
+class UserSimulator(Component):
     """Creates user sessions and answers a whole batch of them per turn.
 
     The rollout loop only calls `open`, `opening_batch` and `respond_batch`; simulators backed
@@ -142,12 +153,12 @@ class UserSimulator(ABC):
         endpoint (or no bound)."""
         return None
 
-    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def close(self) -> None:
         """Release connections and threads; the simulator is not used afterwards."""
 
 
 # --------------------------------------------------------------------------- prompt formats
-class PromptFormat(ABC):
+class PromptFormat(Component):
     """How the policy is asked to answer and how its raw text is parsed."""
 
     thinking: bool = False  # whether the policy reasons before its reply (`<think>`)
@@ -207,7 +218,7 @@ class Generation:
     finish_reason: str
 
 
-class RolloutEngine(ABC):
+class RolloutEngine(Component):
     """Generates completions for a batch of token-id prompts.
 
     `samples_from_training_module`: True when the engine generates with the very module being
@@ -224,14 +235,14 @@ class RolloutEngine(ABC):
         """One completion per prompt; deterministic for the same inputs and seed. Given
         `sampling.prompt_seeds`, prompt i samples with seed prompt_seeds[i] alone."""
 
-    def sync_weights(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def sync_weights(self) -> None:
         """Make the engine sample from the policy's current weights.
 
         Engines that share the training module (hf) have nothing to do. It may defer the
         work (an engine asleep keeps it for `prepare_for_rollout`), but never into `generate`.
         """
 
-    def prepare_for_rollout(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def prepare_for_rollout(self) -> None:
         """Get ready to generate; every rank calls it at the start of every rollout (training,
         validation, test), before any dialogue begins, whatever its dialogues will do.
 
@@ -240,13 +251,13 @@ class RolloutEngine(ABC):
         stops at the first turn, never calls `generate`, and a collective there would hang its peers.
         """
 
-    def release_memory(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def release_memory(self) -> None:
         """Give the device memory the engine holds back to training until the next rollout
         (called after every rollout, the ones a stop cuts short included); local to the rank."""
 
 
 # --------------------------------------------------------------------------- rewards and advantages
-class RewardFunction(ABC):
+class RewardFunction(Component):
     """Scores finished dialogues: one entry per trajectory.
 
     An entry is either one float, the dialogue's reward (it sits on the last token the policy
@@ -309,7 +320,7 @@ class AdvantageResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class AdvantageEstimator(ABC):
+class AdvantageEstimator(Component):
     """Turns rewards (and values, for critics) into per-token advantages.
 
     `requires_critic` tells the trainer whether to build and train a value model;
@@ -327,7 +338,7 @@ class AdvantageEstimator(ABC):
 
 
 # --------------------------------------------------------------------------- judges
-class DialogueJudge(ABC):
+class DialogueJudge(Component):
     """Scores finished dialogues on named dimensions, each 0-10 (higher is better).
 
     Unlike the simulated user's emotion, which is the reward, a judge only describes: how much
@@ -347,5 +358,5 @@ class DialogueJudge(ABC):
         """Counters since the last call (requests, re-asks, missing scores, ...)."""
         return {}
 
-    def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+    def close(self) -> None:
         """Release connections."""

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import pluggy
 
 from rlver.core import hookspecs
+from rlver.core.interfaces import Component
 from rlver.core.legacy_paths import legacy_module_paths
 
 ENTRY_POINT_GROUP = "rlver"
@@ -202,8 +203,8 @@ def check_options(
 ) -> None:
     """Reject options the factory does not accept, naming the flag and the accepted ones.
 
-    A factory may declare `renamed_options`, a mapping whose keys are old names of its options
-    that it still takes (mapping them itself, with a warning): those pass too, unlisted.
+    A plugin class's `renamed_options` (declared on `interfaces.Component`) names old options it
+    still takes (mapping them itself, with a warning): those pass too, unlisted.
     """
     try:
         signature = inspect.signature(factory)
@@ -215,8 +216,11 @@ def check_options(
     accepted = [
         n for n, p in params.items() if n not in reserved and n != "self" and p.kind is not p.VAR_POSITIONAL
     ]
-    renamed = getattr(factory, "renamed_options", None)
-    old_names = set(renamed) if isinstance(renamed, Mapping) else set()
+    old_names = (
+        set(factory.renamed_options)
+        if isinstance(factory, type) and issubclass(factory, Component)
+        else set()
+    )
     for key in options:
         if key not in accepted and key not in old_names:
             raise PluginError(f"{flag}.{key}: unknown option; accepted: {', '.join(accepted) or 'none'}")

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from rlver import hookimpl, hookspecs
+from rlver import hookimpl
+from rlver.core import hookspecs
 from rlver.core.plugins import REGISTRATION_HOOKS, PluginError, Registry, get_registry
 from tests.conftest import REPO, run_cli
 

@@ -254,7 +254,10 @@ def test_before_after_scores_the_policy_with_users_it_never_trained_against(tmp_
     record = json.loads((tmp_path / "before_after.json").read_text())
     strict = record["evaluations"]["strict"]
     assert strict["before"] == strict["after"] == {"u1": 30.0, "u2": 30.0, "u3": 30.0}
-    assert strict["change"]["change_mean"] == 0.0 and strict["spec"] == {"name": "embedded", "judge": "rubric"}
+    assert strict["change"]["change_mean"] == 0.0 and strict["spec"] == {
+        "name": "embedded",
+        "judge": "rubric",
+    }
     assert (tmp_path / "before_after" / "after.strict.jsonl").is_file()
 
 
