@@ -154,24 +154,15 @@ class RLVERModule(L.LightningModule):
             lora=lora,
             eval_temperature=eval_temperature,
             curriculum=curriculum,
-            optimizer={
-                "actor_lr": actor_lr,
-                "critic_lr": critic_lr,
-                "weight_decay": weight_decay,
-                "actor_warmup_ratio": actor_warmup_ratio,
-                "critic_warmup_ratio": critic_warmup_ratio,
-                "lr_schedule": lr_schedule,
-                "min_lr_ratio": min_lr_ratio,
-            },
-        )
-        self.rollout_settings, self.lora, self.curriculum = (
-            settings.rollout,
-            settings.lora,
-            settings.curriculum,
-        )
-        self.optimizer_settings = settings.optimizer
-        self.ppo = settings.ppo
-        self.overlap, self.ppo = overlap_settings(overlap, self.ppo)
+            optimizer=dict(
+                actor_lr=actor_lr, critic_lr=critic_lr, weight_decay=weight_decay, lr_schedule=lr_schedule,
+                actor_warmup_ratio=actor_warmup_ratio, critic_warmup_ratio=critic_warmup_ratio,
+                min_lr_ratio=min_lr_ratio,
+            ),
+        )  # fmt: skip
+        self.rollout_settings, self.lora = settings.rollout, settings.lora
+        self.curriculum, self.optimizer_settings = settings.curriculum, settings.optimizer
+        self.overlap, self.ppo = overlap_settings(overlap, settings.ppo)
         # Checkpoints of a LoRA run leave out the frozen base weights (the model path has them).
         self.strict_loading = self.lora is None
         components = build_components(
