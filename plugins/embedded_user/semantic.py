@@ -235,13 +235,18 @@ def load_calibration(path: str = str(CALIBRATION)) -> Calibration:
 
 
 def fit(
-    rows: Sequence[dict[str, float]], targets: Sequence[float], ridge: float = 5.0, rubric_weight: float = 0.5
+    rows: Sequence[dict[str, float]],
+    targets: Sequence[float],
+    ridge: float = 5.0,
+    rubric_weight: float = 0.5,
+    sample_weights: Sequence[float] | None = None,
 ) -> Calibration:
     """Ridge regression of `targets` on standardised features (numpy, closed form).
 
     The rubric's change keeps the fixed weight `rubric_weight` (the map adds to a share of the
     rubric's verdict rather than replacing it), so replies the rubric tells apart stay apart: recorded
-    LLM replies are all competent, and a free fit learns little about bad ones.
+    LLM replies are all competent, and a free fit learns little about bad ones. `sample_weights`
+    (one per row, mean 1 keeps `ridge` comparable) let a small source count as much as a large one.
     """
     import numpy as np
 
@@ -249,9 +254,13 @@ def fit(
     x = np.array([[row[name] for name in names] for row in rows], dtype=np.float64)
     rubric = np.array([row["rubric"] for row in rows], dtype=np.float64)
     y = np.array(targets, dtype=np.float64) - rubric_weight * rubric
-    mean, scale = x.mean(axis=0), x.std(axis=0)
+    w = np.ones(len(x)) if sample_weights is None else np.asarray(sample_weights, dtype=np.float64)
+    mean = np.average(x, axis=0, weights=w)
+    scale = np.sqrt(np.average((x - mean) ** 2, axis=0, weights=w))
     scale[scale == 0] = 1.0
-    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
+    root = np.sqrt(w)[:, None]
+    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))]) * root
+    y = y * root[:, 0]
     free = np.ones(z.shape[1], dtype=bool)
     while True:  # a feature whose weight comes out against its SIGNS direction is left out, then refit
         penalty = ridge * np.eye(int(free.sum()))
