@@ -13,7 +13,7 @@ Each argument is one source: a file of recorded dialogues, or a folder whose *.j
 (one tested model each) share the model that played SAGE's user. All sources are pooled into
 one fit; the cross-validated agreement (folds by dialogue id, so one persona's dialogues with
 every model fall in one fold) is printed per source. Measure the result with
-`benchmarks/simulator_agreement.py FILE... --split held_out --simulator '{name: embedded, judge: semantic}'`.
+`tools/simulator_agreement.py FILE... --split held_out --simulator '{name: embedded, judge: semantic}'`.
 
     .venv/bin/python tools/calibrate_embedded_user.py \
         ../shared/data/sage_transcripts_qwen2.5-72b.jsonl ../shared/data/sage-gpt4o-simulator

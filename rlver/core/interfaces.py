@@ -93,7 +93,7 @@ class UserSession(ABC):
         with `text`, and the emotion with `emotion` when one is given.
 
         For replaying a recorded dialogue turn by turn (teacher forcing, as
-        benchmarks/simulator_agreement.py does): the session goes on from what the user
+        tools/simulator_agreement.py does): the session goes on from what the user
         actually said there (and, with `emotion`, from how they felt). Before `opening()`,
         `text` becomes the opening. Sessions that cannot raise NotImplementedError.
         """

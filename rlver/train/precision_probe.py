@@ -9,7 +9,7 @@ gradients (the advantages sum to zero), so a coordinate where they nearly cancel
 bf16's rounding of each term (2^-9 of the term, not of the difference) decides its sign: the
 gradient's cosine with float32's stays near 1 while the step's falls (docs/performance.md).
 
-Used by benchmarks/bf16_gradient.py and tests/unit/test_bf16_update.py.
+Used by tools/bf16_gradient.py and tests/unit/test_bf16_update.py.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            "benchmarks/simulator_agreement.py",
+            "tools/simulator_agreement.py",
             str(SAGE_FILE),
             "--split",
             "held_out",
@@ -128,7 +128,7 @@ def test_the_benchmark_on_the_gpt4o_user_dialogues_ranks_the_models_as_sage_does
     result = subprocess.run(
         [
             sys.executable,
-            "benchmarks/simulator_agreement.py",
+            "tools/simulator_agreement.py",
             *map(str, GPT4O_USER_FILES),
             "--split",
             "held_out",
@@ -169,7 +169,7 @@ def test_the_benchmark_drives_the_sage_plugin_against_an_endpoint_and_ranks_file
     with ScriptedServer(Script()) as server:
         spec = f"{{name: sage, base_url: '{server.url}', model: scripted, language: en}}"
         result = subprocess.run(
-            [sys.executable, "benchmarks/simulator_agreement.py", kind, curt, "--simulator", spec],
+            [sys.executable, "tools/simulator_agreement.py", kind, curt, "--simulator", spec],
             cwd=REPO,
             capture_output=True,
             text=True,

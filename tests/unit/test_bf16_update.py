@@ -3,7 +3,7 @@
 On the real SmolLM2-135M and a real sampled GRPO group: the update the quickstart's `precision:
 auto` resolves to on each CPU class takes the same first AdamW step as float32's, and where bf16
 computes (a GPU recipe, or a CPU by request) the head's logits are float32. Measured here
-(benchmarks/bf16_gradient.py, docs/performance.md): float32 against float32 with another
+(tools/bf16_gradient.py, docs/performance.md): float32 against float32 with another
 summation order, AdamW first-step cosine 1.0000; bf16-mixed (emulated bf16 on AVX2) 0.97; the
 bound 0.995 lies between. Before issue 53 `auto` gave bf16-mixed on the AMX and AVX512-BF16
 classes, and the first test failed there.

@@ -8,9 +8,9 @@ SAGE's recorded change; the per-dialogue correlation of the final emotion; one l
 (its mean replayed final emotion against SAGE's recorded mean); with several files, the
 Spearman correlation of the plugin's ranking of the models with SAGE's.
 
-    .venv/bin/python benchmarks/simulator_agreement.py ../shared/data/sage_transcripts_qwen2.5-72b.jsonl
-    .venv/bin/python benchmarks/simulator_agreement.py FILE --split held_out
-    .venv/bin/python benchmarks/simulator_agreement.py FILE --simulator \
+    .venv/bin/python tools/simulator_agreement.py ../shared/data/sage_transcripts_qwen2.5-72b.jsonl
+    .venv/bin/python tools/simulator_agreement.py FILE --split held_out
+    .venv/bin/python tools/simulator_agreement.py FILE --simulator \
         '{name: sage, base_url: http://127.0.0.1:8000/v1, model: deepseek-v3, api_key_env: KEY}'
 
 `--split held_out` keeps the fixed 30% of dialogues (by id hash) that must never be used to

@@ -1,7 +1,7 @@
 """What bfloat16 does to one GRPO update, against float32, on a fixed batch (SmolLM2-135M).
 
-    .venv/bin/python benchmarks/bf16_gradient.py [--groups 3] [--json out.json]
-    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 .venv/bin/python benchmarks/bf16_gradient.py   # AMX off
+    .venv/bin/python tools/bf16_gradient.py [--groups 3] [--json out.json]
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 .venv/bin/python tools/bf16_gradient.py   # AMX off
 
 The batch: the quickstart's first step as it would be sampled: `--groups` training users'
 openings (built-in English profiles) x 4 replies of 24 tokens at temperature 0.7, sampled once in
