@@ -248,19 +248,12 @@ class RLVERModule(L.LightningModule):
         spec = self.component_specs["engine"]
         if self.overlap is not None:
             spec = engine_for_overlap(spec)
-        engine = implementing(
-            RolloutEngine,
-            get_registry().build("engines", spec, flag="--model.engine", policy=policy),
-            "--model.engine",
-        )
+        built = get_registry().build("engines", spec, flag="--model.engine", policy=policy)
+        engine = implementing(RolloutEngine, built, "--model.engine")
         return RolloutRunner(
-            policy,
-            engine,
-            self.simulator,
-            self.prompt_format,
-            self.rollout_settings,
+            policy, engine, self.simulator, self.prompt_format, self.rollout_settings,
             components=dict(self.component_specs),
-        )
+        )  # fmt: skip
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -275,12 +268,8 @@ class RLVERModule(L.LightningModule):
             self.configure_model()
             for reference in self._reference:
                 reference.to(self.device)
-            policy = Policy(
-                model=self.policy_model,
-                tokenizer=self.tokenizer,
-                path=resolve_model_path(self.hparams.policy),
-                name=str(self.hparams.policy),
-            )
+            path, name = resolve_model_path(self.hparams.policy), str(self.hparams.policy)
+            policy = Policy(model=self.policy_model, tokenizer=self.tokenizer, path=path, name=name)
             # asleep until the first rollout (a no-op where the engine never sleeps)
             self.rollouts.build(policy)
 
