@@ -118,6 +118,10 @@ class BeforeAfter(L.Callback):
             path.with_suffix(".gaming.json").write_text(json.dumps(self.gaming[stage].as_record(), indent=1))
         return scores
 
+    def _also(self) -> str:
+        """How the phase line names the other evaluators (one line for all: a quiet terminal)."""
+        return f", also as judged by {', '.join(self.evaluators)}," if self.evaluators else ""
+
     def _users(self, trainer: L.Trainer) -> str:
         count = len(trainer.datamodule.profiles(self.split))
         users = min(count, self.limit) if self.limit else count
@@ -139,10 +143,9 @@ class BeforeAfter(L.Callback):
                 if (evaluations.get(label) or {}).get("before") is not None
             }
             return
-        with phase(f"talking with {self._users(trainer)} before training (greedy)"):
+        with phase(f"talking with {self._users(trainer)}{self._also()} before training (greedy)"):
             self.before = self._finals(trainer, pl_module, "before")
-        for label in self.evaluators:
-            with phase(f"talking with {self._users(trainer)} of {label} before training (greedy)"):
+            for label in self.evaluators:
                 self.other_before[label] = self._finals(trainer, pl_module, "before", label)
         if trainer.global_rank == 0:
             self._write_progress()
@@ -212,12 +215,11 @@ class BeforeAfter(L.Callback):
         partial.replace(path)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        with phase(f"talking with {self._users(trainer)} after training (greedy)"):
+        with phase(f"talking with {self._users(trainer)}{self._also()} after training (greedy)"):
             after = self._finals(trainer, pl_module, "after")
-        other_after = {}
-        for label in self.evaluators:
-            with phase(f"talking with {self._users(trainer)} of {label} after training (greedy)"):
-                other_after[label] = self._finals(trainer, pl_module, "after", label)
+            other_after = {
+                label: self._finals(trainer, pl_module, "after", label) for label in self.evaluators
+            }
         self._close_simulators()
         log_dir = trainer.log_dir or trainer.default_root_dir  # a broadcast: every rank asks
         checkpoint = last_checkpoint_path(trainer)

