@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 
 from rlver.checkpoint.stopping import last_checkpoint_path
+from rlver.core import plugins
 from rlver.core.console import phase
 from rlver.core.emotion import DIFFICULTIES
 from rlver.evaluate.intervals import paired_by_key, per_user_means, training_rise
@@ -177,10 +178,10 @@ class BeforeAfter(L.Callback):
 
     def _simulator(self, label: str) -> Any:
         if label not in self._simulators:
-            from rlver.core.plugins import get_registry
-
             flag = f"BeforeAfter evaluators[{list(self.evaluators).index(label)}]"
-            self._simulators[label] = get_registry().build("simulators", self.evaluators[label], flag=flag)
+            self._simulators[label] = plugins.get_registry().build(
+                "simulators", self.evaluators[label], flag=flag
+            )
         return self._simulators[label]
 
     def _close_simulators(self) -> None:
@@ -293,11 +294,9 @@ class BeforeAfter(L.Callback):
 def evaluator_specs(specs: Sequence[str | dict[str, Any]]) -> dict[str, dict[str, Any] | str]:
     """BeforeAfter's evaluators by label, each checked against the installed simulators now (an
     unknown name or option fails before training, naming `BeforeAfter evaluators[i]`)."""
-    from rlver.core.plugins import get_registry, plain_config
-
     labelled: dict[str, dict[str, Any] | str] = {}
     for index, spec in enumerate(specs):
-        spec = plain_config(spec)
+        spec = plugins.plain_config(spec)
         flag = f"BeforeAfter evaluators[{index}]"
         if isinstance(spec, dict):
             spec = dict(spec)
@@ -308,7 +307,7 @@ def evaluator_specs(specs: Sequence[str | dict[str, Any]]) -> dict[str, dict[str
             raise ValueError(f"{flag}: a simulator name or mapping, got {spec!r}")
         if label in labelled or label == "train":
             raise ValueError(f"{flag}: the label {label!r} is taken; give each evaluator its own `label`")
-        get_registry().check("simulators", spec, flag=flag)
+        plugins.get_registry().check("simulators", spec, flag=flag)
         labelled[label] = spec
     return labelled
 

@@ -17,6 +17,18 @@ SAGE_FILE = REPO.parent / "shared" / "data" / "sage_transcripts_qwen2.5-72b.json
 GPT4O_USER_FILES = sorted((REPO.parent / "shared" / "data" / "sage-gpt4o-simulator").glob("*.jsonl"))
 
 
+def held_out_agreement(files, tmp_path, timeout):
+    """`tools/simulator_agreement.py` on the held-out split of `files` with the default embedded
+    user, as the docs run it; the path of the figures it wrote."""
+    out = tmp_path / "agreement.json"
+    command = [sys.executable, "tools/simulator_agreement.py", *map(str, files), "--split", "held_out"]
+    command += ["--simulator", "{name: embedded, judge: semantic}", "--json", str(out)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(result.stdout)
+    return out
+
+
 def test_correlations_by_hand():
     assert pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
     assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
@@ -93,26 +105,7 @@ def test_follow_replaces_the_users_latest_message_in_the_sage_session():
 @pytest.mark.slow
 @pytest.mark.skipif(not SAGE_FILE.is_file(), reason="needs ../shared/data (the recorded SAGE dialogues)")
 def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
-    out = tmp_path / "agreement.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/simulator_agreement.py",
-            str(SAGE_FILE),
-            "--split",
-            "held_out",
-            "--simulator",
-            "{name: embedded, judge: semantic}",
-            "--json",
-            out,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    print(result.stdout)
+    out = held_out_agreement([SAGE_FILE], tmp_path, timeout=600)
     (figures,) = json.loads(out.read_text()).values()
     assert figures["dialogues"] == 31 and figures["turns"] > 150
     assert figures["mean_recorded_final"] == pytest.approx(14.8, abs=0.05)  # SAGE's own scores
@@ -124,26 +117,7 @@ def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(len(GPT4O_USER_FILES) < 2, reason="needs ../shared/data/sage-gpt4o-simulator")
 def test_the_benchmark_on_the_gpt4o_user_dialogues_ranks_the_models_as_sage_does(tmp_path):
-    out = tmp_path / "agreement.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "tools/simulator_agreement.py",
-            *map(str, GPT4O_USER_FILES),
-            "--split",
-            "held_out",
-            "--simulator",
-            "{name: embedded, judge: semantic}",
-            "--json",
-            out,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    print(result.stdout)
+    out = held_out_agreement(GPT4O_USER_FILES, tmp_path, timeout=900)
     figures = json.loads(out.read_text())
     pooled = figures.pop("all files")
     assert len(figures) == 6 and pooled["dialogues"] == 186 and pooled["turns"] > 1500
