@@ -6,8 +6,10 @@
 * Sharded folders (FSDP `state_dict_type="sharded"`, FSDP2): written beside their target and
   swapped in whole (`atomic_folder_saves`, `swap_in`); `recover_checkpoints` undoes a swap a kill
   interrupted.
-* Reading: `read_checkpoint_state` gives one dict of full tensors from either kind, without a
-  process group; `consolidate_checkpoint` writes it as one file.
+* Reading: `read_checkpoint_state` gives one dict of full tensors from any kind (the hang
+  watchdog's one file a rank too, rlver.checkpoint.local_shards), without a process group;
+  `consolidate_checkpoint` writes it as one file. Under FSDP, `local_shard_loads` resumes the
+  watchdog's kind, each rank from its own file.
 
 `use_rlver_checkpoint_io(strategy)` installs all of it on a Lightning strategy. It decides how
 bytes reach the disk, never what a checkpoint holds (that is `checkpoint_state`).
@@ -21,6 +23,12 @@ from typing import Any
 
 import torch
 
+from rlver.checkpoint.local_shards import (
+    full_weights,
+    is_local_shards_checkpoint,
+    part_filename,
+    restore_local_state,
+)
 from rlver.core.legacy_paths import legacy_module_paths
 
 # What Lightning writes next to the torch.distributed.checkpoint files of a sharded checkpoint.
@@ -44,7 +52,8 @@ def read_checkpoint_state(path: str | Path, *, weights_only: bool = True) -> dic
     torch.distributed.checkpoint files plus meta.pt, which holds everything else (hyper
     parameters, loops, callbacks, rlver's RNG state). The shards are consolidated in this one
     process, without a process group, into full CPU tensors under the LightningModule's names
-    ("policy_model.model.layers.0..."). Optimizer states are not read.
+    ("policy_model.model.layers.0..."). Optimizer states are not read. The hang watchdog's FSDP
+    checkpoint, one file a rank (rlver.checkpoint.local_shards), is read the same way.
 
     Raises:
         FileNotFoundError: `path` does not exist.
@@ -56,6 +65,11 @@ def read_checkpoint_state(path: str | Path, *, weights_only: bool = True) -> dic
             return torch.load(path, map_location="cpu", weights_only=weights_only)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} not found")
+    if is_local_shards_checkpoint(path):  # the hang watchdog's, under FSDP
+        with legacy_module_paths():
+            checkpoint = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
+        checkpoint["state_dict"] = full_weights(path)
+        return checkpoint
     if not is_sharded_checkpoint(path):
         raise ValueError(
             f"{path} is a folder but not a Lightning sharded checkpoint (no {METADATA_FILENAME})"
@@ -273,19 +287,48 @@ def atomic_folder_saves(strategy: Any) -> None:
     strategy._rlver_atomic_folders = True
 
 
+def local_shard_loads(strategy: Any) -> None:
+    """`strategy` (FSDP) also resumes the hang watchdog's checkpoint: each rank its own part.
+
+    Lightning would take the folder (it has a meta.pt) for a torch.distributed.checkpoint one."""
+    if getattr(strategy, "_rlver_local_shard_loads", False):
+        return
+    load = strategy.load_checkpoint
+
+    def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = Path(strategy.broadcast(str(checkpoint_path)))
+        if not is_local_shards_checkpoint(path):
+            return load(checkpoint_path, weights_only=weights_only)
+        own = path / part_filename(strategy.global_rank)
+        # A rank beyond the writers' reads rank 0's part, whose world size then says what is wrong.
+        own = own if own.is_file() else path / part_filename(0)
+        part = torch.load(own, map_location="cpu", weights_only=True)
+        fitting = strategy.lightning_module.trainer.state.fn == "fit"
+        optimizers = strategy.optimizers if fitting else None  # evaluation has none to restore
+        restore_local_state(strategy.lightning_module, optimizers, part, strategy.world_size, path)
+        return torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=weights_only)
+
+    strategy.load_checkpoint = load_checkpoint
+    strategy._rlver_local_shard_loads = True
+
+
 def use_rlver_checkpoint_io(strategy: Any) -> bool:
     """Atomic checkpoint files for `strategy`, and sharded-folder reading where it lacks it.
 
     Strategies that read sharded folders themselves (FSDP, ModelParallel, DeepSpeed) get
     AtomicCheckpointIO (used for their single-file, full-state-dict checkpoints); the others
     (single device, DDP) get ShardedCheckpointReader. Only a plain TorchCheckpointIO is replaced:
-    a configured one stays. Returns whether it was replaced. Call it before the checkpoint is
-    restored, e.g. in `LightningModule.setup`.
+    a configured one stays. Sharded strategies also write their folders aside and swap them in
+    (`atomic_folder_saves`); FSDP also resumes the hang watchdog's checkpoint (`local_shard_loads`).
+    Returns whether the checkpoint IO was replaced. Call it before the checkpoint is restored,
+    e.g. in `LightningModule.setup`.
     """
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
     if isinstance(strategy, FSDPStrategy | ModelParallelStrategy):
         atomic_folder_saves(strategy)
+    if isinstance(strategy, FSDPStrategy):
+        local_shard_loads(strategy)
     if type(strategy.checkpoint_io) is not _torch_checkpoint_io():
         return False
     if isinstance(strategy, FSDPStrategy | ModelParallelStrategy | DeepSpeedStrategy):

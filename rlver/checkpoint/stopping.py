@@ -169,9 +169,13 @@ def run_unless_stopped(
         fatal = error
         stop.requested = stop.requested or "the simulator becoming unavailable"
         trajectories = []
+    # The agreement is the step's first collective after its rollouts: a rank waiting in it for a
+    # peer still rolling out (or hung there) has changed nothing yet, so its phase stays the
+    # rollouts, where the hang watchdog may still write its share of last.ckpt.
+    stopping = stop is not None and stop.agree(trainer)
     if watchdog is not None:
         watchdog.rollouts_done()
-    if stop is None or not stop.agree(trainer):
+    if not stopping:
         return trajectories, fatal
     reasons = [reason for reason in gather(str(fatal or "")) if reason]
     if reasons and fatal is None:

@@ -18,18 +18,21 @@ still advance is not hung.
 
 On expiry each rank, from its watchdog thread (its main thread may be blocked for good):
 1. writes one line naming the phase and how long nothing progressed;
-2. writes `last.ckpt` where that cannot deadlock and the state is whole: only while the step was
-   still in its rollouts (no update has begun: the weights and optimizer are those of the last
-   finished step), only under a strategy whose every rank holds the whole state (one device,
-   DDP: no gather, no collective), and only on the rank that writes checkpoints (global rank 0).
-   Under FSDP the state would need a gather from every rank, which a hung peer never joins, so
-   nothing is written there; nor during the update or a checkpoint already in progress. The
-   resumed run repeats the interrupted step. The write has `checkpoint_seconds`; past that the
-   process ends anyway;
+2. writes its share of `last.ckpt` where that needs no collective and the state is whole: only
+   while its step is still in its rollouts (no update has begun: the weights and optimizer are
+   those of the last finished step; a rank waiting in the stop agreement after its rollouts is
+   still there), never during the update or a checkpoint already in progress. What a share is
+   depends on the strategy (`checkpoint`, rlver.checkpoint.emergency, set by rlver's Trainer):
+   under one device or DDP, rank 0 holds the whole state and writes it, the others nothing;
+   under FSDP every rank writes its own shards and optimizer states (no gather), and rank 0,
+   once every rank's share is in (reported through the store, within `checkpoint_seconds`),
+   adds the loops' state and swaps the folder in as `last.ckpt`. A rank past its rollouts, or
+   one that never reports, leaves no checkpoint, and rank 0 says which and why. The resumed run
+   repeats the interrupted step;
 3. posts the hang in the store, so ranks that are not hung themselves stop too
-   (`rlver.parallel.rank_watch`); every other rank waits for rank 0's post before it ends,
-   because a peer that exits can break rank 0's collective (gloo notices the closed socket)
-   and end it before its checkpoint is written;
+   (`rlver.parallel.rank_watch`); every other rank, its share written, waits for rank 0's post
+   before it ends, because a peer that exits can break rank 0's collective (gloo notices the
+   closed socket) and end it before the checkpoint is complete;
 4. ends its process with exit status 1.
 A job therefore ends within `timeout_minutes` plus the poll interval plus `checkpoint_seconds`.
 """
@@ -42,7 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from lightning.pytorch.callbacks import Callback
 
@@ -51,10 +54,20 @@ from rlver.parallel.rank_watch import FailureBoard, RankFailureWatch, default_st
 
 PROGRESS_KEY = "rlver/progress"
 ACKNOWLEDGED_KEY = "rlver/hang_acknowledged"
+SHARE_KEY = "rlver/hang_share"  # "/<rank>": "written at step N", or why that rank wrote nothing
 
 # A step's first phase: nothing has changed the weights yet, so a checkpoint there is the last
 # finished step's.
 ROLLOUTS = "rollouts"
+
+
+class CheckpointWriter(Protocol):
+    """How the ranks write `last.ckpt` without a collective (rlver.checkpoint.emergency)."""
+
+    def every_rank_writes(self, trainer: Any) -> bool: ...  # else rank 0's share is the whole state
+    def cannot_write(self, trainer: Any) -> str | None: ...  # why this strategy cannot, or None
+    def write_share(self, trainer: Any, path: str) -> None: ...  # this rank's share
+    def complete(self, trainer: Any, path: str) -> None: ...  # rank 0, once every share is written
 
 
 class ProgressClock:
@@ -151,6 +164,9 @@ class HangWatchdog(Callback):
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
         self.expire: Callable[[float], None] = self._end_job
+        # What a rank's share of the checkpoint on expiry is (rlver's Trainer sets it: the
+        # strategies' checkpoints live in a layer above this one). None: nothing is written.
+        self.checkpoint: CheckpointWriter | None = None
 
     def fit_module(self, pl_module: Any) -> None:
         """A derived timeout covers the module's longest healthy silence (`expected_quiet_seconds`)."""
@@ -179,8 +195,9 @@ class HangWatchdog(Callback):
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: Any) -> None:
         # Every rank dumps (and, sharded, writes): the write is a phase with its own allowance,
-        # which ends when the next phase begins.
-        if in_fit(trainer) and self.clock.last_progress is not None:
+        # which ends when the next phase begins. Not the dump of this watchdog's own expiry.
+        on_expiry = threading.current_thread() is self.thread
+        if in_fit(trainer) and self.clock.last_progress is not None and not on_expiry:
             self._enter(f"writing a checkpoint at step {trainer.global_step}", self.checkpoint_allowance)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
@@ -262,67 +279,99 @@ class HangWatchdog(Callback):
         for callback in getattr(trainer, "callbacks", []):
             if isinstance(callback, RankFailureWatch):
                 callback._stop_watching()  # this rank ends on its own, after the checkpoint
-        # However the write goes, the process ends within checkpoint_seconds.
+        # However the write goes, the process ends within checkpoint_seconds; rank 0 stops
+        # waiting for the others' shares a little before, to say what became of the checkpoint.
         threading.Timer(self.checkpoint_seconds, os._exit, (1,)).start()
-        board = None if self.clock.store is None else FailureBoard(self.clock.store, rank)
+        deadline = time.monotonic() + 0.9 * self.checkpoint_seconds
+        store = self.clock.store
+        every_rank = self.checkpoint is not None and self.checkpoint.every_rank_writes(trainer)
+        share = self.write_share(trainer) if rank == 0 or every_rank else None
+        board = None if store is None else FailureBoard(store, rank)
         if board is not None and rank != 0:
-            # Rank 0 writes the checkpoint: a peer that exits first can break its collectives
-            # (gloo notices a closed socket) and end it before the write. Wait for its post.
             with contextlib.suppress(Exception):  # the store is gone: rank 0 is too
+                if share is not None:
+                    store.set(f"{SHARE_KEY}/{rank}", share)
+                # A peer that exits first can break rank 0's collectives (gloo notices a closed
+                # socket) and end it before the checkpoint is complete. Wait for its post.
                 while board.read() is None:
                     time.sleep(self.poll_seconds)
-                self.clock.store.add(ACKNOWLEDGED_KEY, 1)
+                store.add(ACKNOWLEDGED_KEY, 1)
             os._exit(1)
         with contextlib.suppress(Exception):
-            path = self.save_last_checkpoint(trainer)
-            if path:
-                say(
-                    f"rlver: rank {rank}: wrote {path} (the last finished step); resume with --ckpt_path last"
-                )
+            ranks = range(trainer.world_size if every_rank else 1)
+            shares = {0: share or "", **self._collect_shares(ranks, deadline)}
+            self._complete_checkpoint(trainer, shares, ranks)
         if board is not None:
             with contextlib.suppress(Exception):
                 board.post(f"hung: {self.describe(stalled)}")
                 # Rank 0 hosts the store: stay until the others have read the post (bounded).
-                deadline = time.monotonic() + 3 * self.poll_seconds + 5
+                acknowledged_by = time.monotonic() + 3 * self.poll_seconds + 5
                 others = trainer.world_size - 1
-                while self.clock.store.add(ACKNOWLEDGED_KEY, 0) < others and time.monotonic() < deadline:
+                while store.add(ACKNOWLEDGED_KEY, 0) < others and time.monotonic() < acknowledged_by:
                     time.sleep(0.05)
         os._exit(1)
 
-    def save_last_checkpoint(self, trainer: Any) -> str | None:
-        """Write `last.ckpt` without a collective, where the state is whole (see the module's docstring).
+    def write_share(self, trainer: Any) -> str:
+        """Write this rank's share of `last.ckpt` without a collective; "written at step N", or why not.
 
         The phase stays in the step's rollouts until the write ends (`phase_lock`): the main
         thread's next phase change, the update's start, waits for it."""
         with self.phase_lock:
-            return self._save_in_rollouts(trainer)
+            reason = self._why_no_checkpoint(trainer)
+            if reason is not None:
+                return reason
+            assert self.checkpoint is not None  # _why_no_checkpoint said so
+            try:
+                self.checkpoint.write_share(trainer, str(last_checkpoint_file(trainer)))
+            except Exception as error:
+                return f"its write failed ({type(error).__name__}: {error})"
+            return f"written at step {trainer.global_step}"
 
-    def _save_in_rollouts(self, trainer: Any) -> str | None:
-        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
-
+    def _why_no_checkpoint(self, trainer: Any) -> str | None:
+        if self.checkpoint is None:
+            return "no checkpoint writer"
         if f"({ROLLOUTS})" not in self.phase:
-            return None  # the update, or a checkpoint already being written, may be half done
-        strategy = trainer.strategy
-        holds_everything = isinstance(strategy, SingleDeviceStrategy) or (
-            isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
-        )
-        checkpoint = trainer.checkpoint_callback
-        if (
-            not holds_everything
-            or trainer.global_rank != 0
-            or trainer.global_step == 0
-            or checkpoint is None
-            or not getattr(checkpoint, "save_last", False)
-            or not checkpoint.dirpath
-        ):
-            return None
-        path = os.path.join(
-            str(checkpoint.dirpath), checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION
-        )
-        # Not trainer.save_checkpoint: it ends in a barrier no hung peer would join.
-        state = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        strategy.checkpoint_io.save_checkpoint(state, path)
-        return path
+            return f"it was in {self.phase}, past the rollouts: the state may be half updated"
+        if trainer.global_step == 0:
+            return "no step had finished"
+        if last_checkpoint_file(trainer) is None:
+            return "no ModelCheckpoint with save_last"
+        return self.checkpoint.cannot_write(trainer)
+
+    def _collect_shares(self, ranks: range, deadline: float) -> dict[int, str]:
+        """What the other ranks reported of their shares by `deadline`."""
+        store, shares = self.clock.store, {}
+        waiting = set(ranks) - {0}
+        while waiting and time.monotonic() < deadline:
+            for rank in sorted(waiting):
+                key = f"{SHARE_KEY}/{rank}"
+                if store.check([key]):
+                    shares[rank] = store.get(key).decode("utf-8", "replace")
+                    waiting.discard(rank)
+            time.sleep(0.05 if waiting else 0)
+        return shares
+
+    def _complete_checkpoint(self, trainer: Any, shares: dict[int, str], ranks: range) -> None:
+        """Rank 0: make `last.ckpt` whole once every rank in `ranks` wrote its share at rank 0's step."""
+        written = shares[0]
+        missing = {0: written} if not written.startswith("written") else {}
+        missing = missing or {rank: shares.get(rank) for rank in ranks if shares.get(rank) != written}
+        if missing:
+            reasons = "; ".join(f"rank {r}: {why or 'no answer in time'}" for r, why in missing.items())
+            say(f"rlver: rank 0: no last.ckpt written ({reasons})")
+            return
+        path = last_checkpoint_file(trainer)
+        assert self.checkpoint is not None and path is not None  # every share was written
+        self.checkpoint.complete(trainer, path)
+        say(f"rlver: rank 0: wrote {path} ({written}: the last finished step); resume with --ckpt_path last")
+
+
+def last_checkpoint_file(trainer: Any) -> str | None:
+    """Where the run's ModelCheckpoint keeps `last.ckpt` (None: none with save_last)."""
+    checkpoint = getattr(trainer, "checkpoint_callback", None)
+    if checkpoint is None or not getattr(checkpoint, "save_last", False) or not checkpoint.dirpath:
+        return None
+    return os.path.join(str(checkpoint.dirpath), checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION)
 
 
 def in_fit(trainer: Any) -> bool:

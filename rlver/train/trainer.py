@@ -14,6 +14,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from rlver.checkpoint.emergency import CollectiveFreeCheckpoint
 from rlver.checkpoint.io import recover_checkpoints
 from rlver.checkpoint.resume import ExactlyOnce
 from rlver.checkpoint.stopping import GracefulStop
@@ -100,6 +101,9 @@ class Trainer(L.Trainer):
             self.callbacks.insert(0, RankFailureWatch())  # one rank fails: the others stop in seconds
         if not any(isinstance(callback, HangWatchdog) for callback in self.callbacks):
             self.callbacks.insert(0, HangWatchdog())  # no rank progresses: end the job, not at the timeout
+        for callback in self.callbacks:
+            if isinstance(callback, HangWatchdog) and callback.checkpoint is None:
+                callback.checkpoint = CollectiveFreeCheckpoint()  # its last.ckpt, under every strategy
         if not any(isinstance(callback, ExactlyOnce) for callback in self.callbacks):
             self.callbacks.insert(0, ExactlyOnce())  # first: a resumed run's files drop what it replays
 

@@ -212,3 +212,55 @@ class SignalOneRank(L.Callback):
                 return generated
 
             runner.engine.generate = generate_then_signal
+
+
+def digest_local_part(part: dict[str, Any]) -> dict[str, str]:
+    """A `rlver.checkpoint.local_shards.local_state` part, every tensor and value digested by path."""
+    import torch
+
+    digests: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}/{key}", item)
+        elif isinstance(value, list | tuple) and any(isinstance(item, torch.Tensor | dict) for item in value):
+            for index, item in enumerate(value):
+                walk(f"{prefix}/{index}", item)
+        elif isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            digests[prefix] = f"{value.dtype}:{list(value.shape)}:{hashlib.sha256(data).hexdigest()}"
+        else:
+            digests[prefix] = repr(value)
+
+    walk("", part)
+    return digests
+
+
+class LocalStateDigest(L.Callback):
+    """Each rank's own shards and optimizer states, digested at the end of step `step` and at the
+    start of a run resumed at that step: what the hang watchdog's FSDP checkpoint holds and gives back.
+
+    Args:
+        out_dir: Folder for `local_rank<R>_<when>.json`, when "finished" or "restored".
+        step: The `global_step` looked at.
+    """
+
+    def __init__(self, out_dir: str, step: int) -> None:
+        self.out_dir, self.step = Path(out_dir), step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self._write(trainer, pl_module, "finished")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step == self.step:
+            self._write(trainer, pl_module, "restored")
+
+    def _write(self, trainer: L.Trainer, pl_module: L.LightningModule, when: str) -> None:
+        from rlver.checkpoint.local_shards import local_state
+
+        part = local_state(pl_module, trainer.strategy.optimizers, trainer.global_rank, trainer.world_size)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.out_dir / f"local_rank{trainer.global_rank}_{when}.json"
+        path.write_text(json.dumps(digest_local_part(part), sort_keys=True))

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlver.checkpoint.emergency import CollectiveFreeCheckpoint
 from rlver.checkpoint.stopping import run_unless_stopped
 from rlver.parallel.hang_watch import HangWatchdog, ProgressClock, turn_progress
 from rlver.train.trainer import Trainer
@@ -119,7 +120,25 @@ def test_every_rollout_turn_is_progress_and_the_update_is_its_own_phase():
     assert trajectories == [False, False, False] and fatal is None
     assert watchdog.clock.marks >= marks + 3
     assert watchdog.phase == "training step 3 (update)"
-    assert watchdog.save_last_checkpoint(trainer) is None  # mid-update: the state is not whole
+    watchdog.checkpoint = CollectiveFreeCheckpoint()
+    share = watchdog.write_share(trainer)  # mid-update: the state is not whole
+    assert share == "it was in training step 3 (update), past the rollouts: the state may be half updated"
+
+
+def test_a_rank_waiting_in_the_stop_agreement_is_still_in_its_rollouts():
+    """Issue 54 (5): the agreement is a step's first collective after its rollouts; a rank waiting
+    there for a hung peer has changed nothing, so under FSDP it must still write its share of
+    last.ckpt. The update's phase began before the agreement: no rank but the hung one wrote."""
+    from rlver.checkpoint.stopping import GracefulStop
+
+    watchdog, stop = HangWatchdog(), GracefulStop()
+    seen_in_agreement = []
+    stop.agree = lambda trainer: seen_in_agreement.append(watchdog.phase) or False
+    trainer = SimpleNamespace(callbacks=[watchdog, stop], world_size=2, global_step=2)
+    watchdog.on_train_batch_start(trainer, None, None, 0)
+    run_unless_stopped(lambda should_stop: [should_stop()], trainer, gather=lambda value: [value])
+    assert seen_in_agreement == ["training step 3 (rollouts)"]
+    assert watchdog.phase == "training step 3 (update)"
 
 
 def test_every_rlver_trainer_has_the_watchdog_once_and_bad_settings_name_it(tmp_path):
@@ -210,6 +229,7 @@ def test_the_emergency_save_keeps_a_live_main_thread_out_of_the_update_until_wri
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     watch = HangWatchdog(timeout_minutes=1)
+    watch.checkpoint = CollectiveFreeCheckpoint()
     watch.progress("training step 3 (rollouts)")
     dumping, events = threading.Event(), []
 
@@ -226,13 +246,13 @@ def test_the_emergency_save_keeps_a_live_main_thread_out_of_the_update_until_wri
         checkpoint_callback=ModelCheckpoint(dirpath=tmp_path, save_last=True),
         _checkpoint_connector=SimpleNamespace(dump_checkpoint=dump_checkpoint),
     )
-    saver = threading.Thread(target=lambda: events.append(watch.save_last_checkpoint(trainer)))
+    saver = threading.Thread(target=lambda: events.append(watch.write_share(trainer)))
     saver.start()
     assert dumping.wait(10)
     watch.rollouts_done()  # the main thread reaches its update
     events.append("update begins")
     saver.join(10)
-    assert events == ["state dumped", str(tmp_path / "last.ckpt"), "update begins"]
+    assert events == ["state dumped", "written at step 2", "update begins"]
     assert (tmp_path / "last.ckpt").is_file()
     assert watch.phase == "training step 3 (update)"
 

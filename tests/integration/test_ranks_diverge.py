@@ -11,14 +11,20 @@ none of these paths would run anywhere but on a GPU cluster. Run them alone with
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 import yaml
 from rlver_plugins.sage_user.scripted_server import Script, ScriptedServer
 
 from rlver.checkpoint.io import read_checkpoint_state
+from rlver.checkpoint.local_shards import is_local_shards_checkpoint, part_filename
+from tests.conftest import REPO, run_rlver
+from tests.harness.probes import digest_local_part
 from tests.harness.stand_in_vllm import read_engine_records
 from tests.integration.test_multiprocess import (
+    API_KEY,
     FAULTY,
     digests,
     lay_out_data,
@@ -107,3 +113,56 @@ def test_a_rank_whose_every_dialogue_ends_at_the_opening_takes_the_reload_with_i
     # Both reloaded after each update (the first step too: the engine slept from the start).
     assert [record["events"].count("reload") for record in records] == [2, 2], [r["events"] for r in records]
     assert json.dumps(records)  # the records are plain data
+
+
+def test_a_rank_hung_in_its_rollout_leaves_every_ranks_shards_as_last_ckpt_and_resumes_exactly(
+    tmp_path, tiny_model_dir
+):
+    """Issue 54 (5): rank 0's user stops answering in step 3's opening; rank 1 finishes its
+    rollout and waits in the stop agreement. Under FSDP the watchdog wrote no checkpoint (its
+    state would need a gather no hung peer joins): now every rank writes its own shards and
+    optimizer states, without a collective, rank 0 the loops' state beside them, and
+    `--ckpt_path last` restores on each rank exactly what it held at the end of step 2."""
+    faults = {(FAULTY, "open", 3): "timeout"}  # one opening a step, on rank 0: step 3's never ends
+    with ScriptedServer(Script(faults=faults, timeout_delay=900)) as server:
+        two_profiles(tmp_path)
+        config = twin_config("ppo_think", tmp_path, tiny_model_dir, server.url, steps=3)
+        twin = yaml.safe_load(config.read_text())
+        twin["model"]["simulator"]["timeout"] = 600  # the request outlasts the watchdog
+        config.write_text(yaml.safe_dump(twin, allow_unicode=True))
+        watchdog = {
+            "class_path": "rlver.parallel.hang_watch.HangWatchdog",
+            "init_args": {"timeout_minutes": 0.5, "poll_seconds": 0.5, "checkpoint_seconds": 120},
+        }
+        digest = {
+            "class_path": "tests.harness.probes.LocalStateDigest",
+            "init_args": {"out_dir": str(tmp_path / "local"), "step": 2},
+        }
+        with_callbacks(config, stand_in(tmp_path), watchdog, digest)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RLVER_SIMULATOR_API_KEY": API_KEY}
+        argv = ["fit", "--config", str(config), "--data.shuffle", "false"]
+        hung = run_rlver(argv, cwd=tmp_path, env=env, timeout=HANG_LIMIT)
+        output = hung.stdout + hung.stderr
+        assert hung.returncode == 1, output[-4000:]
+        assert "rlver: rank 0: no progress for" in output and "in training step 3 (rollouts)" in output
+        checkpoint = tmp_path / "runs" / "ppo_think" / "checkpoints" / "last.ckpt"
+        named = "rlver: rank 0: wrote runs/ppo_think/checkpoints/last.ckpt (written at step 2"
+        assert named in output, output[-4000:]  # the recipe's dirpath, relative to the run folder
+        assert is_local_shards_checkpoint(checkpoint)
+        for rank in range(2):  # each rank's file holds what it held at the end of step 2
+            part = torch.load(checkpoint / part_filename(rank), weights_only=True)
+            finished = json.loads((tmp_path / "local" / f"local_rank{rank}_finished.json").read_text())
+            assert digest_local_part(part) == finished
+        whole = read_checkpoint_state(checkpoint)
+        assert whole["global_step"] == 2 and any(k.startswith("policy_model.") for k in whole["state_dict"])
+        # Resumed on the same two ranks: each takes its own shards and optimizer states back.
+        run_fit(
+            tmp_path, "--config", config, "--data.shuffle", "false", "--ckpt_path", "last", timeout=HANG_LIMIT
+        )
+    for rank in range(2):
+        finished, restored = (
+            json.loads((tmp_path / "local" / f"local_rank{rank}_{when}.json").read_text())
+            for when in ("finished", "restored")
+        )
+        assert restored == finished
+    assert [d["step"] for d in digests(tmp_path)] == [3, 3]
