@@ -23,6 +23,7 @@ from rlver.modeling.precision import resolve_precision
 from rlver.parallel.allocator import keep_freed_memory
 from rlver.parallel.hang_watch import HangWatchdog
 from rlver.parallel.rank_watch import RankFailureWatch
+from rlver.parallel.rendezvous import bound_rendezvous
 from rlver.parallel.slurm_launch import refuse_launch_without_srun, refuse_nodes_without_launcher
 from rlver.train.progress import StepProgress
 
@@ -47,6 +48,10 @@ class Trainer(L.Trainer):
         precision: As Lightning's, plus "auto": bf16-mixed on a CUDA device with bf16, 32-true
             elsewhere, every CPU included (bf16's learning depended on the CPU's bf16 kernels:
             rlver.modeling.precision). One line at start says what was chosen and why.
+        rendezvous_seconds: How long each rank waits at start for every other rank of the job
+            (all nodes' processes) before it ends, naming the ranks that never came; the process
+            group's own timeout, raised to cover the simulator's retries, applies only after
+            (rlver.parallel.rendezvous).
         limit_train_batches, limit_val_batches, limit_test_batches, limit_predict_batches,
         val_check_interval, overfit_batches: As Lightning's (an int counts batches, a float is
             a fraction), declared here with `int` first: Lightning's signature says
@@ -58,6 +63,7 @@ class Trainer(L.Trainer):
         self,
         *args: Any,
         precision: str | int | None = "auto",
+        rendezvous_seconds: float = 60.0,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
@@ -74,6 +80,8 @@ class Trainer(L.Trainer):
             val_check_interval=val_check_interval,
             overfit_batches=overfit_batches,
         )
+        if not rendezvous_seconds > 0:
+            raise ValueError(f"--trainer.rendezvous_seconds ({rendezvous_seconds}) must be > 0")
         refuse_launch_without_srun()  # before Lightning takes SLURM as the launcher and waits
         refuse_nodes_without_launcher(int(kwargs.get("num_nodes") or 1), kwargs.get("devices", "auto"))
         precision, reason = resolve_precision(precision, kwargs.get("accelerator", "auto"))
@@ -90,6 +98,7 @@ class Trainer(L.Trainer):
         if kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs["callbacks"] = [StepProgress(), *callbacks]  # steps and reward, not an epoch's batches
         super().__init__(*args, precision=precision, **kwargs)
+        bound_rendezvous(self.strategy, rendezvous_seconds)  # a node that never starts: a minute, not 106
         if isinstance(self.accelerator, CPUAccelerator):
             keep_freed_memory()  # each step reuses the pages its tensors freed (rlver.parallel.allocator)
         for callback in self.callbacks:
