@@ -62,10 +62,14 @@ h hidden size, I MLP width, k the key/value width (kv heads x head dim), T the G
   merges one layer's targeted weights at a time (x m). At train start the engine already holds the weights
   it loaded from disk: no sync, unless a checkpoint was restored.
 - checkpoint (after the step's sync was deferred: the engine asleep): resident + engine asleep +
-  FSDP1's optimizer-state gather: `state_dict_type: sharded` still all-gathers each unit's flat
-  AdamW state into one buffer (R x m, reused for both states) before re-sharding it; `full`
-  gathers one unit at a time (its parameters and two Adam states: 3 x R x m). NO_SHARD (one GPU)
-  and LoRA gather nothing worth counting.
+  the larger of Lightning's two dumps, which run one after the other: FSDP1's model state dict,
+  sharded or full, unshards every unit in full precision (m, whatever the mixed precision), the
+  root for the whole traversal and one decoder layer at a time inside it: (R + D) x m, the larger
+  root of policy and critic (LoRA's frozen base too); then the optimizer state dict:
+  `state_dict_type: sharded` still all-gathers each unit's flat AdamW state into one buffer (R x m,
+  reused for both states) before re-sharding it; `full` gathers one unit at a time (its parameters
+  and two Adam states: 3 x R x m). With `sharded` the model's dump is the larger by one layer.
+  NO_SHARD (one GPU) gathers nothing; LoRA's optimizer states are too small to count.
 
 Not counted: FSDP padding, NCCL buffers, fragmentation, autocast's cached casts of unsharded
 float32 weights, CUDA graphs beyond vLLM's budget, LoRA dropout copies.
@@ -80,7 +84,8 @@ derives every figure): resident (7.62 + 7.07) B x 16 / 32 + 1 GiB = 7.8 GiB; eng
 152064 x 8 B = 12.5); update 51.9 (logits, their gradient, the head copy and one chunk 23.5,
 checkpointed activations 9.6, gathered 3.9, unsharded bf16 grads of the root 2.0 and their float32
 copy 4.1); sync 29.1 (engine weights 14.2, the root streamed in float32 + bf16 6.1, vLLM's reload
-copy 1.0); checkpoint 12.9 (optimizer-state gather of the root 4.1).
+copy 1.0); checkpoint 13.8 (the model state dict's root and one layer unsharded in float32, 4.06 +
+0.87 = 4.9, above the optimizer-state gather of the root, 4.1).
 """
 
 from __future__ import annotations
@@ -264,15 +269,26 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
             ("vLLM reload copy", reload_copy),
         )
         phases.append(Phase("sync", sync_parts, memory, (_FIX_GPUS,)))
-    # FSDP1's optimizer state dict all-gathers each unit's flat state (one float32 buffer of the
-    # unit, reused for both AdamW states); `full` gathers the parameters too and keeps each state
-    # until it is offloaded: 3 x the unit. NO_SHARD / one GPU gathers nothing.
+    # Lightning's dump takes the model's state dict, then the optimizers' (each freed before the
+    # next): the larger gather is the phase's. FSDP1's model state dict (sharded or full) unshards
+    # every unit in full precision, the root for its whole traversal and a decoder layer at a
+    # time inside it: (root + D) x m, LoRA's frozen base too. Its optimizer state dict all-gathers
+    # each unit's flat state (one buffer of the unit, reused for both AdamW states); `full` gathers
+    # the parameters too and keeps each state until it is offloaded: 3 x the unit. NO_SHARD / one
+    # GPU gathers nothing.
+    model_gather = (max(policy_root, critic_root) + layer) * m if sharded else 0.0
     if sharded and s.lora_rank is None:
         optimizer_gather = (3 if s.full_state_dict_checkpoint else 1) * largest_unit * m
     else:
         optimizer_gather = 0.0
-    gather_label = "full-state unit" if s.full_state_dict_checkpoint else "optimizer-state gather"
-    checkpoint_parts = (*base, (gather_label, optimizer_gather))
+    if model_gather >= optimizer_gather:
+        gather = ("model state-dict gather (root + layer)", model_gather)
+    else:
+        gather = (
+            "full-state unit" if s.full_state_dict_checkpoint else "optimizer-state gather",
+            optimizer_gather,
+        )
+    checkpoint_parts = (*base, gather)
     phases.append(Phase("checkpoint", checkpoint_parts, memory, (_FIX_STATE_DICT,)))
     return phases
 

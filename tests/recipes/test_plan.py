@@ -210,7 +210,10 @@ def test_ppo_think_every_phase_by_hand():
     unsharded_grads = POLICY_ROOT * 2
     reduce_copy = POLICY_ROOT * 4  # reduce-scattered in float32 (full_precision_reductions)
     reload_copy = V * H * 2  # vLLM materialises its largest module (embeddings, LM head) to reload it
-    optimizer_gather = POLICY_ROOT * 4  # FSDP1's sharded optimizer state dict gathers a unit's state
+    # Lightning's dump: the model state dict first, FSDP1 unsharding the root for the whole walk and
+    # a layer at a time in float32; then the optimizer state dict gathers a unit's state (the root's,
+    # 4.06 GiB): the model's is the larger, by the layer (0.87)
+    model_gather = (POLICY_ROOT + LAYER) * 4
     expected = {
         "trainer resident": resident,
         "engine idle (asleep)": asleep,
@@ -227,7 +230,7 @@ def test_ppo_think_every_phase_by_hand():
         + reduce_copy,
         # engine weights alone (its KV cache asleep) + the root in float32 and bf16 + vLLM's copy
         "sync": resident + P * 2 + POLICY_ROOT * (4 + 2) + reload_copy,
-        "checkpoint": resident + asleep + optimizer_gather,  # the engine asleep: its sync waits
+        "checkpoint": resident + asleep + model_gather,  # the engine asleep: its sync waits
     }
     assert phase_bytes(phases) == pytest.approx(expected, rel=1e-12)
     assert {name: round(size / GIB, 1) for name, size in expected.items()} == PPO_THINK_GIB
@@ -247,7 +250,7 @@ PPO_THINK_GIB = {
     "scoring": 26.7,
     "update": 51.9,
     "sync": 29.1,
-    "checkpoint": 12.9,
+    "checkpoint": 13.8,
 }
 KNOWN_WRONG = {
     "trainer resident": (13.3, "bf16 master weights counted with float32 grads and states"),
@@ -257,7 +260,7 @@ KNOWN_WRONG = {
     "scoring": (89.1, "the engine awake while scoring"),
     "update": (47.8, "no float32 copy of the gradient for the reduce-scatter"),
     "sync": (28.1, "no vLLM reload copy"),
-    "checkpoint": (8.8, "no optimizer-state gather"),
+    "checkpoint": (12.9, "the optimizer-state gather alone: no root and layer unsharded by the model's dump"),
 }
 
 
@@ -277,9 +280,15 @@ def test_the_checkpoint_gathers_per_state_dict_type_and_the_docstring_says_so():
     sharded = phase_bytes(plan_memory(arch, ppo_think_shape()))["checkpoint"]
     full = phase_bytes(plan_memory(arch, ppo_think_shape(full_state_dict_checkpoint=True)))["checkpoint"]
     one_gpu = phase_bytes(plan_memory(arch, ppo_think_shape(world_size=1, shard_count=1)))["checkpoint"]
-    assert sharded == resident + GIB + POLICY_ROOT * 4  # one float32 buffer of the root's state
+    # the model state dict's root and one layer unsharded in float32, above the optimizer's gather
+    # of the root's state into one float32 buffer (POLICY_ROOT * 4)
+    assert sharded == resident + GIB + (POLICY_ROOT + LAYER) * 4
     assert full == resident + GIB + 3 * POLICY_ROOT * 4  # its parameters and both states
     assert one_gpu == (P + C) * 16 + GIB + GIB  # NO_SHARD: nothing gathered
+    # sharded LoRA: the adapters' optimizer states are too small to count, but the model's dump
+    # still unshards the frozen base's root and a layer
+    lora = phase_bytes(plan_memory(arch, ppo_think_shape(lora_rank=64, lora_targets=("q_proj", "v_proj"))))
+    assert lora["checkpoint"] == lora["trainer resident"] + GIB + (POLICY_ROOT + LAYER) * 4
     for name, gib in PPO_THINK_GIB.items():  # the worked example quotes every phase's figure
         if name not in ("trainer resident", "engine idle (asleep)"):
             assert f"{gib}" in memory_plan.__doc__, name
@@ -295,7 +304,7 @@ def test_ppo_think_table_through_the_cli(tmp_path, capsys):
     assert rows["update"].split()[1:4] == ["51.9", "80.0", "yes"]
     assert "logits+grad+entropy 23.5" in rows["update"] and "float32 reduce copy 4.1" in rows["update"]
     assert "vLLM reload copy 1.0" in rows["sync"] and "engine weights (KV cache asleep) 14.2" in rows["sync"]
-    assert "optimizer-state gather 4.1" in rows["checkpoint"]
+    assert "model state-dict gather (root + layer) 4.9" in rows["checkpoint"]
     assert "assumptions:" in out
 
 
