@@ -128,6 +128,7 @@ LONGEST_FIRST = [
     "test_warm_launcher.py",
     "test_lora.py",
     "test_stopping.py",
+    "test_ranks_diverge.py",  # four 2-rank FSDP twins on the stand-in vLLM: ~3 min
     "test_gpu_bundle_check.py",  # two clean venvs importing torch, lightning and rlver: 4-8 min
     "test_ablation.py",
     "test_capabilities.py",  # lm-eval and vLLM on the tiny model: ~70 s, the last file to end when unlisted
@@ -142,6 +143,8 @@ LONGEST_FIRST = [
     "test_agreement.py",
     "test_rank_watch.py",
     "test_hang_watch.py",
+    "test_local_shards.py",
+    "test_rendezvous.py",
     "test_recipe_numerics.py",
     "test_rollout_schedule.py",
     "test_official_protocols.py",

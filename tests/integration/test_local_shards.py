@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from rlver.checkpoint.local_shards import (
@@ -71,6 +72,7 @@ def _local_shards_worker(rank: int, out: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_each_rank_writes_and_takes_back_its_shards_and_one_process_assembles_them(tmp_path):
     folder = tmp_path / "last.ckpt"
     folder.mkdir()
