@@ -166,3 +166,7 @@ def test_a_rank_hung_in_its_rollout_leaves_every_ranks_shards_as_last_ckpt_and_r
         )
         assert restored == finished
     assert [d["step"] for d in digests(tmp_path)] == [3, 3]
+    # the resumed run's own last.ckpt (a torch.distributed.checkpoint folder) names the same weights
+    regular = read_checkpoint_state(checkpoint)
+    assert regular["global_step"] == 3 and not is_local_shards_checkpoint(checkpoint)
+    assert set(regular["state_dict"]) == set(whole["state_dict"])
