@@ -53,6 +53,7 @@ from rlver.core.types import HiddenTheme, Personality
 
 from .cues import Lexicon, lexicon_for
 from .text import (
+    breaks_off,
     content_units,
     garble_reason,
     is_open_question,
@@ -176,6 +177,11 @@ DISMISSIVE = -3.0
 WARMTH = 1.0
 SHORT_REPLY = -2.0  # mild
 LONG_REPLY_BASE = -1.0  # mild, a further -1 per 60 words over, at most -3
+# Not mild: a reply that breaks off mid-sentence reads as broken at any difficulty. Without it a
+# policy whose replies are cut at the token limit keeps everything it said, so under
+# `rollout.end_at_sentence` (which cuts a reply back to its last whole sentence) it learned to
+# never end a sentence (docs/notebook/results-rounds.md, 2026-12-06, seed 1).
+UNFINISHED = -1.5
 GARBLED = -10.0
 NEAR_DUPLICATE_BASE = -2.0  # and a further -2 for every earlier near-duplicate
 PHRASE_REUSE = -3.0  # times the share of reused phrasing, from 25% reuse on
@@ -420,12 +426,17 @@ class Rubric:
         words = length_in_words(reply, self.language)
         if words < self.settings.short_reply_words:
             return SHORT_REPLY * self.forgive, f"too short ({words:.0f} words)"
+        value, note = 0.0, ""
         excess = words - self.settings.long_reply_words
         if excess > 0:
-            return max(
-                -3.0, LONG_REPLY_BASE - excess / 60
-            ) * self.forgive, f"wall of text ({words:.0f} words)"
-        return 0.0, ""
+            value, note = (
+                max(-3.0, LONG_REPLY_BASE - excess / 60) * self.forgive,
+                f"wall of text ({words:.0f} words)",
+            )
+        if breaks_off(reply):
+            value += UNFINISHED
+            note = ", ".join(part for part in (note, "breaks off mid-sentence") if part)
+        return value, note
 
     def _repetition(self, reply: str, context: TurnContext) -> tuple[float, str, float]:
         """(penalty, note, novelty): novelty in [0, 1] scales the reply's positive criteria."""

@@ -8,6 +8,7 @@ its "content units" are character bigrams without function characters
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import Counter
 
 _CJK = re.compile(r"[\u4e00-\u9fff]")
@@ -234,3 +235,21 @@ def _repeats(units: list[str]) -> bool:
         return False
     trigrams = [tuple(units[i : i + 3]) for i in range(len(units) - 2)]
     return len(set(trigrams)) / len(trigrams) < 0.5
+
+
+# What ends a sentence, and what may close it after its mark (quotes, brackets).
+_SENTENCE_END_MARKS = ".!?\u2026\u3002\uff01\uff1f~\uff5e"
+_CLOSING_MARKS = "\"')]}\u00bb\u201d\u2019\u300d\u300f\uff09\u3011"
+
+
+def breaks_off(text: str) -> bool:
+    """True when `text` stops mid-sentence, as a reply cut at a token limit does: its last visible
+    character (closing quotes and brackets aside) is no sentence mark and no symbol (an emoji
+    ends a line as a full stop does). A colon counts as breaking off: what it announced never came."""
+    body = text.rstrip()
+    while body and body[-1] in _CLOSING_MARKS:
+        body = body[:-1].rstrip()
+    if not body:
+        return False
+    last = body[-1]
+    return last not in _SENTENCE_END_MARKS and unicodedata.category(last) not in ("So", "Sk")
