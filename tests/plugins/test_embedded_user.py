@@ -436,6 +436,32 @@ def test_length_too_short_or_a_wall_of_text_is_mildly_negative():
 
 
 @pytest.mark.parametrize(
+    ("reply", "broken"),
+    [
+        ("That sounds really hard. How did Tom take it?", False),
+        ("I'm so sorry about the party \U0001f622", False),  # an emoji ends a line as a full stop does
+        ('He really said "the cake was dry."', False),
+        ("生日聚会的事真的让人难过。", False),
+        ("I can imagine you're going through a tough time,", True),  # cut at a token limit
+        ("Here is what I would do about Tom:", True),  # what the colon announced never came
+        ("你一定很难过，因为", True),
+    ],
+)
+def test_a_reply_that_breaks_off_mid_sentence_is_marked_down_at_every_difficulty(reply, broken):
+    # A policy whose replies are cut at its token limit must not keep what it said for free:
+    # under `rollout.end_at_sentence` it otherwise learned never to end a sentence.
+    language = "zh" if re.search(r"[\u4e00-\u9fff]", reply) else "en"
+    for tolerance in (0.0, 0.5, 0.9):
+        rubric = Rubric(HiddenTheme("deep_empathy"), None, language, RubricSettings(tolerance=tolerance))
+        assessment = rubric.assess(reply, CONTEXT)
+        assert assessment.criteria["length"] == (-1.5 if broken else 0.0), (reply, tolerance)
+        assert ("breaks off mid-sentence" in assessment.notes["length"]) is broken
+    whole = Rubric(HiddenTheme("deep_empathy"), None, "en").assess("That sounds hard. How are you?", CONTEXT)
+    cut = Rubric(HiddenTheme("deep_empathy"), None, "en").assess("That sounds hard. How are you", CONTEXT)
+    assert cut.raw_change < whole.raw_change
+
+
+@pytest.mark.parametrize(
     ("reply", "reason"),
     [
         ("", "empty"),
