@@ -87,14 +87,14 @@ def test_lora_quickstart_twin_trains_syncs_vllm_checkpoints_the_adapter_and_expo
     assert state["hyper_parameters"]["lora"]["rank"] == 16
     # vLLM sampled from the merged, updated weights: the trainer's log-probs of its samples agree.
     gaps = read_scalars(run_dir / "tensorboard")["rollout/logprob_gap"]
-    # ... as closely as with full fine-tuning (quickstart_hard's twin: the same vLLM engine and steps).
+    # ... as closely as with full fine-tuning (the curriculum twin: the same vLLM engine and steps).
     full_dir = tmp_path / "full"
     full_dir.mkdir()
     full = twin_config(
-        "quickstart_hard", full_dir, tiny_model_dir, "", steps=3, devices=1, vllm=True, float32_compute=True
+        "curriculum", full_dir, tiny_model_dir, "", steps=3, devices=1, vllm=True, float32_compute=True
     )
     run_fit(full_dir, "--config", full)
-    full_gaps = read_scalars(full_dir / "runs" / "quickstart_hard" / "tensorboard")["rollout/logprob_gap"]
+    full_gaps = read_scalars(full_dir / "runs" / "curriculum" / "tensorboard")["rollout/logprob_gap"]
     print("logprob gap after each sync: lora", gaps, "full", full_gaps)
     assert len(gaps) == 3 and max(gaps) < 1e-3 and max(gaps) <= max(10 * max(full_gaps), 1e-4), (
         gaps,

@@ -84,25 +84,25 @@ def test_paper_recipe_twin_trains_on_two_processes(recipe, tmp_path, tiny_model_
 
 
 # --------------------------------------------------------------------------- the laptop recipes
-def test_quickstart_hard_twin_with_a_vllm_engine_per_rank(tmp_path, tiny_model_dir):
+def test_curriculum_twin_with_a_vllm_engine_per_rank(tmp_path, tiny_model_dir):
     """Each rank runs its own in-process vLLM engine and pushes its updated weights into it
-    (quickstart_hard: the laptop recipe that keeps vLLM; the quickstart generates with hf)."""
-    config = twin_config("quickstart_hard", tmp_path, tiny_model_dir, "", steps=2, vllm=True, float32_compute=True)
+    (curriculum: a laptop recipe that keeps vLLM; the quickstart generates with hf)."""
+    config = twin_config("curriculum", tmp_path, tiny_model_dir, "", steps=2, vllm=True, float32_compute=True)
     result = run_fit(tmp_path, "--config", config)
     assert result.stdout.count("greedy mean final emotion") == 1  # rank 0 prints it
     per_rank = digests(tmp_path)
     assert per_rank[0]["tensors"] == per_rank[1]["tensors"]
-    scalars = read_scalars(tmp_path / "runs" / "quickstart_hard" / "tensorboard")
+    scalars = read_scalars(tmp_path / "runs" / "curriculum" / "tensorboard")
     # Step 1 samples after an update: the engines hold the trained weights (fp32 on both sides).
     assert max(scalars["rollout/logprob_gap"]) < 1e-3, scalars["rollout/logprob_gap"]
     assert all(seconds > 0 for seconds in scalars["perf/weight_sync_seconds"])
 
 
-def test_overlapped_quickstart_hard_twin_on_two_ranks_with_a_vllm_engine_each(tmp_path, tiny_model_dir):
+def test_overlapped_curriculum_twin_on_two_ranks_with_a_vllm_engine_each(tmp_path, tiny_model_dir):
     """`--model.overlap` on two ranks: each rank's next-step rollout runs on its own engine
     during the update, both ranks train alike, and the first step, sampled by the very weights
     it trains (float32 on both sides), has importance weights of exactly 1."""
-    config = twin_config("quickstart_hard", tmp_path, tiny_model_dir, "", steps=3, vllm=True, float32_compute=True)
+    config = twin_config("curriculum", tmp_path, tiny_model_dir, "", steps=3, vllm=True, float32_compute=True)
     twin = yaml.safe_load(config.read_text())
     twin["model"]["overlap"] = {"max_importance_weight": 2.0}
     twin["trainer"]["callbacks"] = [
@@ -112,7 +112,7 @@ def test_overlapped_quickstart_hard_twin_on_two_ranks_with_a_vllm_engine_each(tm
     run_fit(tmp_path, "--config", config)
     per_rank = digests(tmp_path)
     assert per_rank[0]["step"] == 3 and per_rank[0]["tensors"] == per_rank[1]["tensors"]
-    scalars = read_scalars(tmp_path / "runs" / "quickstart_hard" / "tensorboard")
+    scalars = read_scalars(tmp_path / "runs" / "curriculum" / "tensorboard")
     assert scalars["offpolicy/staleness"] == [0.0, 1.0, 1.0]
     assert scalars["offpolicy/importance_weight_max"][0] == pytest.approx(1.0, abs=1e-3)
     # the engine takes the weights before each rollout: steps 1 and 2 start the next one

@@ -57,14 +57,14 @@ def test_a_phase_is_one_line_and_a_note_inside_it_does_not_break_it(capsys):
 
 @pytest.mark.slow
 def test_a_short_fit_prints_a_screenful_and_verbose_shows_the_rest(tmp_path, tiny_model_dir, monkeypatch):
-    """A laptop recipe with vLLM (quickstart_hard, tiny model) for 2 steps: rlver's phases, one line
+    """A laptop recipe with vLLM (curriculum, tiny model) for 2 steps: rlver's phases, one line
     per step; vLLM's own start-up log is the loudest chatter a quiet run must hide."""
     from tests.integration.test_multiprocess import run_fit, twin_config
 
     for name in (console.VERBOSE_ENV, "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "TORCH_CPP_LOG_LEVEL"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)  # a user's fresh shell: whatever earlier tests set is gone
-    config = twin_config("quickstart_hard", tmp_path, tiny_model_dir, "", devices=1, vllm=True)
+    config = twin_config("curriculum", tmp_path, tiny_model_dir, "", devices=1, vllm=True)
     quiet = run_fit(tmp_path, "--config", config)
     output = (quiet.stdout + quiet.stderr).splitlines()
     lines = [line for line in output if line.strip()]
