@@ -338,12 +338,18 @@ def test_an_engine_without_its_own_weights_and_vllm_on_cpu():
     assert hf["rollout"] == resident + P * 4 + 4 * 8192 * 2 * LAYERS * KV * 2
     assert hf["update"] == pytest.approx(phase_bytes(plan_memory(arch, ppo_think_shape()))["update"] - GIB)
 
-    _, shape, phases = plan_recipe(quiet_parse(REPO / "recipes" / "quickstart.yaml"), gpu_memory_gib=80.0)
     smol = 134_515_008
-    assert not shape.engine_on_gpu and not shape.sleep_between_rollouts and shape.shard_count == 1
     resident = smol * 16 + GIB  # float32 weights, grads and AdamW, whole
-    # a float32 engine on a CPU (`dtype: auto`), its weights and the recipe's cpu_kv_cache_gib
-    assert phase_bytes(phases)["rollout"] == resident + smol * 4 + 0.5 * GIB
+    _, shape, phases = plan_recipe(quiet_parse(REPO / "recipes" / "curriculum.yaml"), gpu_memory_gib=80.0)
+    assert not shape.engine_on_gpu and not shape.sleep_between_rollouts and shape.shard_count == 1
+    # a float32 vLLM engine on a CPU (`dtype: auto`), its weights and the recipe's cpu_kv_cache_gib
+    assert phase_bytes(phases)["rollout"] == resident + smol * 4 + 1.0 * GIB
+
+    # the quickstart samples with hf (issue 53): no second copy of the weights, no engine to wake or sync
+    _, shape, quickstart = plan_recipe(quiet_parse(REPO / "recipes" / "quickstart.yaml"), gpu_memory_gib=80.0)
+    quickstart = phase_bytes(quickstart)
+    assert "sync" not in quickstart and "engine awake" not in quickstart
+    assert quickstart["trainer resident"] == resident
 
 
 def test_overlapped_steps_keep_the_engine_awake_and_hf_a_policy_snapshot():
