@@ -9,6 +9,13 @@ SmolLM2-135M, 3 GRPO steps with the hf engine): 5.6 M minor page faults and 18.5
 time with glibc's defaults; 1.3 M and 8.7 s with the settings below; peak RSS 4.7 -> 5.1 GB.
 In the test suite: 232 -> 183 s of system time.
 
+Between steps the kept pages go back (`hand_back_freed_memory`, malloc_trim(3), at the end of every
+training step: `FreedMemoryBetweenSteps`). Kept across steps, they ratcheted: a step's tensors
+differ in size with its replies' lengths, a freed block too small for the next step's stays
+mapped beside the new one, and the quickstart's 28 steps grew from 3.85 GiB after its first step
+to 4.23-4.44 GiB (benchmarks/peak_memory.py, docs/performance.md). Within a step they are still
+reused; each step faults its pages in once.
+
 Only where the run computes on the CPU: on a GPU node the host's big allocations are rare and
 short-lived (a gathered state dict for a checkpoint), and keeping them would hold that memory for
 the rest of the run. Nothing changes where the user tuned malloc already (MALLOC_*_ variables,
@@ -20,6 +27,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from typing import Any
+
+import lightning as L
 
 # mallopt(3) parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -51,3 +61,25 @@ def keep_freed_memory() -> bool:
     settings = {_M_MMAP_THRESHOLD: _MMAP_THRESHOLD, _M_TRIM_THRESHOLD: _TRIM_THRESHOLD, _M_TOP_PAD: _TOP_PAD}
     _applied = all([mallopt(parameter, value) == 1 for parameter, value in settings.items()])
     return _applied
+
+
+def hand_back_freed_memory() -> bool:
+    """Give the kernel back the free pages malloc keeps (malloc_trim(0)); True if any went back.
+
+    Only after `keep_freed_memory` took effect: glibc's defaults hand large blocks back by themselves.
+    """
+    if not _applied:
+        return False
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim(0) == 1
+
+
+class FreedMemoryBetweenSteps(L.Callback):
+    """At the end of every training step, the pages the step freed go back to the kernel."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        hand_back_freed_memory()

@@ -20,7 +20,7 @@ from rlver.checkpoint.resume import ExactlyOnce
 from rlver.checkpoint.stopping import GracefulStop
 from rlver.core.console import is_verbose, note
 from rlver.modeling.precision import resolve_precision
-from rlver.parallel.allocator import keep_freed_memory
+from rlver.parallel.allocator import FreedMemoryBetweenSteps, keep_freed_memory
 from rlver.parallel.hang_watch import HangWatchdog
 from rlver.parallel.rank_watch import RankFailureWatch
 from rlver.parallel.rendezvous import bound_rendezvous
@@ -99,8 +99,10 @@ class Trainer(L.Trainer):
             kwargs["callbacks"] = [StepProgress(), *callbacks]  # steps and reward, not an epoch's batches
         super().__init__(*args, precision=precision, **kwargs)
         bound_rendezvous(self.strategy, rendezvous_seconds)  # a node that never starts: a minute, not 106
-        if isinstance(self.accelerator, CPUAccelerator):
-            keep_freed_memory()  # each step reuses the pages its tensors freed (rlver.parallel.allocator)
+        if isinstance(self.accelerator, CPUAccelerator) and keep_freed_memory():
+            # each step reuses the pages its tensors freed, and hands them back when it ends
+            # (rlver.parallel.allocator: kept across steps, they grew the quickstart past 4 GiB)
+            self.callbacks.append(FreedMemoryBetweenSteps())
         for callback in self.callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = os.path.join(root, "checkpoints")

@@ -74,10 +74,54 @@ def test_the_user_can_say_no_or_tune_malloc_themselves(opt_out):
     assert min(default["faults"]) >= default["pages"] * 0.9, default  # faulted in every time
 
 
-def test_a_cpu_trainer_keeps_freed_memory(monkeypatch):
+def test_a_cpu_trainer_keeps_freed_memory_and_hands_it_back_between_steps(monkeypatch):
+    from rlver.parallel.allocator import FreedMemoryBetweenSteps
     from rlver.train import trainer
 
-    calls = []
-    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1))
-    trainer.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    calls: list[int] = []
+    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1) or True)
+    built = trainer.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert calls == [1]
+    assert sum(isinstance(c, FreedMemoryBetweenSteps) for c in built.callbacks) == 1
+
+
+# Kept freed blocks are resident until handed back; `hand_back_freed_memory` returns their pages.
+TRIM_SCRIPT = """
+import ctypes, json
+from rlver.parallel import allocator
+
+def resident_mib():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+allocator.keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+guard = libc.malloc(1 << 20)  # a live block below, so the freed one is not simply the whole heap
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+tail = libc.malloc(1 << 20)  # and one above it: trimming the heap's top alone would not reach it
+ctypes.memset(tail, 1, 1 << 20)
+libc.free(block)
+kept = resident_mib()
+handed_back = allocator.hand_back_freed_memory()
+print(json.dumps({"kept": kept, "after": resident_mib(), "handed_back": handed_back}))
+"""
+
+
+def test_freed_memory_goes_back_to_the_kernel_between_steps():
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    environment.pop("RLVER_KEEP_FREED_MEMORY", None)
+    result = subprocess.run(
+        [sys.executable, "-c", TRIM_SCRIPT],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.splitlines()[-1])
+    assert figures["handed_back"]
+    assert figures["kept"] - figures["after"] >= 200, figures  # the freed 256 MiB were resident, then not
