@@ -29,7 +29,7 @@ import os
 import sys
 from typing import Any
 
-import lightning as L
+from lightning.pytorch.callbacks import Callback
 
 # mallopt(3) parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -78,8 +78,8 @@ def hand_back_freed_memory() -> bool:
     return trim(0) == 1
 
 
-class FreedMemoryBetweenSteps(L.Callback):
+class FreedMemoryBetweenSteps(Callback):
     """At the end of every training step, the pages the step freed go back to the kernel."""
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_batch_end(self, *args: Any) -> None:
         hand_back_freed_memory()
