@@ -10,11 +10,11 @@ time with glibc's defaults; 1.3 M and 8.7 s with the settings below; peak RSS 4.
 In the test suite: 232 -> 183 s of system time.
 
 Between steps the kept pages go back (`hand_back_freed_memory`, malloc_trim(3), at the end of every
-training step: `FreedMemoryBetweenSteps`). Kept across steps, they ratcheted: a step's tensors
-differ in size with its replies' lengths, a freed block too small for the next step's stays
-mapped beside the new one, and the quickstart's 28 steps grew from 3.85 GiB after its first step
-to 4.23-4.44 GiB (benchmarks/peak_memory.py, docs/performance.md). Within a step they are still
-reused; each step faults its pages in once.
+training step: `FreedMemoryBetweenSteps`). Kept across steps, they ratcheted: the quickstart's 28
+steps grew from 3.85 GiB after its first step to 4.23-4.44 GiB (benchmarks/peak_memory.py,
+docs/performance.md), most likely because a step's tensors differ in size with its replies'
+lengths and a freed block too small for the next step's stays resident beside the new one.
+Within a step they are still reused; each step faults its pages in once.
 
 Only where the run computes on the CPU: on a GPU node the host's big allocations are rare and
 short-lived (a gathered state dict for a checkpoint), and keeping them would hold that memory for
