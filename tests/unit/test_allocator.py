@@ -37,11 +37,11 @@ print(json.dumps({"applied": applied, "pages": size // resource.getpagesize(), "
 """
 
 
-def _run(**env: str) -> dict:
+def _run(script: str = SCRIPT, **env: str) -> dict:
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
     environment.pop("RLVER_KEEP_FREED_MEMORY", None)
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script],
         cwd=REPO,
         env={**environment, **env},
         capture_output=True,
@@ -111,17 +111,6 @@ print(json.dumps({"kept": kept, "after": resident_mib(), "handed_back": handed_b
 
 
 def test_freed_memory_goes_back_to_the_kernel_between_steps():
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
-    environment.pop("RLVER_KEEP_FREED_MEMORY", None)
-    result = subprocess.run(
-        [sys.executable, "-c", TRIM_SCRIPT],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    figures = json.loads(result.stdout.splitlines()[-1])
+    figures = _run(TRIM_SCRIPT)
     assert figures["handed_back"]
     assert figures["kept"] - figures["after"] >= 200, figures  # the freed 256 MiB were resident, then not
