@@ -109,10 +109,12 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
                 while finished_steps(transcripts) <= start and process.poll() is None:
                     assert time.monotonic() < deadline, "no step finished"
                     time.sleep(0.05)
-                time.sleep(rng.uniform(0.0, 1.5))  # somewhere in the next step
+                delay = rng.uniform(0.0, 1.5)
+                time.sleep(delay)  # somewhere in the next step
                 if process.poll() is not None:
                     break  # it finished first: nothing left to kill
                 process.send_signal(signal.SIGKILL)
+                kill = f"random: {delay:.2f} s after step {start} ended"  # where it landed, for a failure
             else:
                 process = launch(chaos, config, *resume, chaos=kill)
             output, _ = process.communicate(timeout=1800)
@@ -129,7 +131,8 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
     # The final weights are the uninterrupted run's.
     (a,), (b,) = digests(straight, ranks=1), digests(chaos, ranks=1)
     assert a["step"] == b["step"] == STEPS
-    assert a["tensors"] == b["tensors"], [k for k in a["tensors"] if a["tensors"][k] != b["tensors"][k]][:5]
+    differing = [k for k in a["tensors"] if a["tensors"][k] != b["tensors"][k]][:5]
+    assert a["tensors"] == b["tensors"], (differing, survived)
     assert read_checkpoint_state(checkpoint)["global_step"] == STEPS
     assert torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"] == STEPS
 
