@@ -128,11 +128,12 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
         assert len(survived) >= 4, survived  # the random kill may come after the run's end
         print("kills survived:", survived)
 
-    # The final weights are the uninterrupted run's.
+    # The final weights are the uninterrupted run's; if not, the message says where the two
+    # runs first parted (a step's dialogues, or its update with the same dialogues).
     (a,), (b,) = digests(straight, ranks=1), digests(chaos, ranks=1)
     assert a["step"] == b["step"] == STEPS
     differing = [k for k in a["tensors"] if a["tensors"][k] != b["tensors"][k]][:5]
-    assert a["tensors"] == b["tensors"], (differing, survived)
+    assert a["tensors"] == b["tensors"], (differing, survived, first_divergence(straight, chaos))
     assert read_checkpoint_state(checkpoint)["global_step"] == STEPS
     assert torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"] == STEPS
 
@@ -157,6 +158,26 @@ def test_sigkill_at_any_point_then_resume_equals_the_uninterrupted_run(tmp_path,
     assert cache_rows(chaos / "cache.sqlite") == cache_rows(straight / "cache.sqlite")
     # No temporary checkpoint file of a killed writer is left behind.
     assert not list((run / "checkpoints").glob(".*.tmp"))
+
+
+def first_divergence(straight: Path, chaos: Path) -> str:
+    """The first step whose transcripts or update scalars differ between the two runs."""
+    name = f"runs/{RECIPE}/tensorboard/rollouts/train_rank0.jsonl"
+    by_step: dict[str, dict[int, list[str]]] = {}
+    for label, workdir in (("straight", straight), ("chaos", chaos)):
+        by_step[label] = {}
+        for line in transcript_lines(workdir / name):
+            with contextlib.suppress(ValueError, KeyError):
+                by_step[label].setdefault(json.loads(line)["step"], []).append(line)
+    dialogues = [s for s in range(STEPS) if by_step["straight"].get(s) != by_step["chaos"].get(s)]
+    clean = read_scalars(straight / "runs" / RECIPE / "tensorboard")
+    resumed = read_scalars(chaos / "runs" / RECIPE / "tensorboard")
+    updates = {
+        tag: next((s for s, (x, y) in enumerate(zip(clean[tag], resumed.get(tag, []))) if x != y), None)
+        for tag in ("reward/total", "ppo/policy_loss", "ppo/grad_norm")
+        if tag in clean
+    }
+    return f"first step with other dialogues: {dialogues[:1] or None}; first differing update scalars: {updates}"
 
 
 def _scalar_steps(folder: Path, tag: str) -> list[int]:
