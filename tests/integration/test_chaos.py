@@ -177,7 +177,9 @@ def first_divergence(straight: Path, chaos: Path) -> str:
         for tag in ("reward/total", "ppo/policy_loss", "ppo/grad_norm")
         if tag in clean
     }
-    return f"first step with other dialogues: {dialogues[:1] or None}; first differing update scalars: {updates}"
+    return (
+        f"first step with other dialogues: {dialogues[:1] or None}; first differing update scalars: {updates}"
+    )
 
 
 def _scalar_steps(folder: Path, tag: str) -> list[int]:
