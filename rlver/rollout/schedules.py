@@ -11,7 +11,10 @@ answer a whole call's replies at once, so for them the two schedules make the sa
 
 Neither schedule changes what a dialogue samples: each reply is drawn with a seed of its own
 (`turn_seed` of the call's seed, the turn and the dialogue's index), whatever else shares its
-engine call.
+engine call. Its recorded log-probs may still differ in their last bits with the call's other
+prompts (the kernels' shapes change), and under `dialogue` with users on an endpoint the
+answers' timing decides who shares a call: runs agree closely, and bitwise only in `lockstep`
+(docs/performance.md, "Rollouts that do not wait at every turn").
 """
 
 from __future__ import annotations

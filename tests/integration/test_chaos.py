@@ -44,6 +44,12 @@ def chaos_config(workdir: Path, model_dir: Path, server_url: str) -> Path:
         "language": "en",
         "cache": "cache.sqlite",  # the working folder's: the same text in both runs' transcripts
     }
+    # Bitwise equality needs each engine call to hold the same dialogues in both runs: an engine
+    # call's log-probs differ in their last bits with the prompts beside them, and under the
+    # `dialogue` schedule a call holds whichever users' answers came in within 50 ms, which the
+    # machine's load decides (and a cached answer comes at once). `lockstep` composes every call
+    # from all active dialogues, as an in-process user like the quickstart's does.
+    twin["model"]["rollout"]["schedule"] = "lockstep"
     twin["trainer"]["callbacks"].append({"class_path": "tests.harness.probes.Chaos"})
     config.write_text(yaml.safe_dump(twin, sort_keys=False))
     return config

@@ -293,16 +293,18 @@ def test_two_process_resume_from_last_is_exact(tmp_path, tiny_model_dir, server)
     for workdir in (straight, resumed):
         workdir.mkdir()
         lay_out_data(workdir)
+    # Lockstep: every engine call holds the same dialogues in both runs, whatever the timing of
+    # the users' answers (tests/integration/test_chaos.py says why bitwise equality needs it).
+    lockstep = ("--model.rollout.schedule", "lockstep")
     # Fresh: the runs compared differ in their string-hash seed too (warm launches share one).
-    run_fit(
-        straight, "--config", twin_config(recipe, straight, tiny_model_dir, server.url, steps=3), fresh=True
-    )
+    config = twin_config(recipe, straight, tiny_model_dir, server.url, steps=3)
+    run_fit(straight, "--config", config, *lockstep, fresh=True)
     config = twin_config(recipe, resumed, tiny_model_dir, server.url, steps=3)
-    run_fit(resumed, "--config", config, "--trainer.max_steps", "1")
+    run_fit(resumed, "--config", config, *lockstep, "--trainer.max_steps", "1")
     checkpoint = resumed / "runs" / recipe / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir()  # the recipe's FSDP sharded checkpoint: a folder of shards
     assert read_checkpoint_state(checkpoint)["global_step"] == 1
-    run_fit(resumed, "--config", config, "--ckpt_path", "last")
+    run_fit(resumed, "--config", config, *lockstep, "--ckpt_path", "last")
     for rank in range(2):
         a, b = digests(straight)[rank], digests(resumed)[rank]
         assert a["step"] == b["step"] == 3
