@@ -43,7 +43,7 @@ def median_scalars(folder: Path, tags: list[str]) -> dict[str, float]:
 
 def step_tokens(transcripts: Path, tokenizer) -> dict[str, float]:
     """Median per step: prompt tokens prefilled (a group's shared first prompt once), tokens
-    decoded, dialogues, and the update's tokens (whole dialogues) and loss tokens (the replies)."""
+    decoded (the update's loss tokens too), dialogues, and the update's tokens (whole dialogues)."""
 
     def count(messages: list[dict[str, str]], prompt: bool) -> int:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
