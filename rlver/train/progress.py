@@ -33,7 +33,7 @@ class StepProgress(ProgressBar):
         self._enabled = True
         self._bar: tqdm | None = None
         self._loop_bar: tqdm | None = None
-        self._step_started = 0.0
+        self._step_started: float | None = None  # when the printed interval's first step began
 
     def disable(self) -> None:
         self._enabled = False
@@ -59,7 +59,7 @@ class StepProgress(ProgressBar):
 
     # ---------------------------------------------------------------- training
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._step_started = time.perf_counter()
+        self._step_started = None
         if not self._shows(trainer) or not self._interactive:
             return
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
@@ -73,6 +73,12 @@ class StepProgress(ProgressBar):
             leave=True,
         )
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # From the step's own start: callbacks' work before the first step (BeforeAfter's
+        # evaluation, minutes) is not the step's.
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self._shows(trainer):
             return
@@ -85,11 +91,11 @@ class StepProgress(ProgressBar):
             return
         every = max(1, trainer.log_every_n_steps)
         if step % every == 0 or step == trainer.max_steps:
-            elapsed = time.perf_counter() - self._step_started
+            elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
             total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
             values = "  ".join(f"{name} {value}" for name, value in fields.items())
             print(f"step {step}{total}  {values}  ({elapsed:.0f} s)", flush=True)
-            self._step_started = time.perf_counter()
+            self._step_started = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._bar is not None:
