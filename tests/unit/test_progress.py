@@ -61,5 +61,7 @@ def test_the_first_step_does_not_count_the_evaluation_before_training(bar, clock
 
 
 def test_a_line_every_n_steps_covers_its_steps_and_what_ran_between_them(bar, clock, capsys):
-    run_steps(bar, trainer(every=2), clock, before_training=90.0, step_seconds=[30.0, 25.0, 20.0, 28.0], between=2.0)
+    run_steps(
+        bar, trainer(every=2), clock, before_training=90.0, step_seconds=[30.0, 25.0, 20.0, 28.0], between=2.0
+    )
     assert printed_seconds(capsys) == [57, 50]  # 30 + 2 + 25, then 20 + 2 + 28
