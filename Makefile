@@ -40,13 +40,9 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The main job on the embedded defaults: GRPO on SmolLM2-135M-Instruct against the embedded user, on CPU.
+# Its rollouts come from the policy module itself (the `hf` engine): vLLM is not needed.
 quickstart: setup
-	if $(PY) -c "import vllm" >/dev/null 2>&1; then \
-		$(VENV)/bin/rlver fit --config recipes/quickstart.yaml; \
-	else \
-		echo "rlver: vLLM is not available here, training with the hf engine (slower)"; \
-		$(VENV)/bin/rlver fit --config recipes/quickstart.yaml --model.engine hf; \
-	fi
+	$(VENV)/bin/rlver fit --config recipes/quickstart.yaml
 
 # The project's own modules as bytecode too (a second when nothing changed): where Python may not write
 # it (PYTHONDONTWRITEBYTECODE), every interpreter the suite starts would compile them again.

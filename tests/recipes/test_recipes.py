@@ -145,6 +145,8 @@ def test_the_turn_credit_recipes_change_only_the_credit(variant, base, changed):
             # and what the quickstart changed for its memory and its replies (2026-12-06) after them
             "model.engine.name", "model.engine.cpu_kv_cache_gib", "model.ppo.micro_batch_size",
             "model.rollout.end_at_sentence", "model.gradient_checkpointing",
+            # and its 16 steps (2026-12-07): the ablation's figures are of 28
+            "trainer.max_steps",
         }  # fmt: skip
         assert variant_tree["model"]["rollout"]["max_turns"] == 4
     assert differ == changed
