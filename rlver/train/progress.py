@@ -91,7 +91,8 @@ class StepProgress(ProgressBar):
             return
         every = max(1, trainer.log_every_n_steps)
         if step % every == 0 or step == trainer.max_steps:
-            elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+            now = time.perf_counter()
+            elapsed = now - (now if self._step_started is None else self._step_started)
             total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
             values = "  ".join(f"{name} {value}" for name, value in fields.items())
             print(f"step {step}{total}  {values}  ({elapsed:.0f} s)", flush=True)
