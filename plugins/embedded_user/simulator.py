@@ -71,10 +71,10 @@ class EmbeddedUserSimulator(UserSimulator):
                 each profile's own.
             judge: "semantic" (default): a map calibrated on recorded SAGE dialogues turns
                 sentence embeddings of the reply (against the user's message, the hidden need
-                and reference replies), the rubric's change and the user's mood into the
+                and reference replies), the rubric's criteria and the user's mood into the
                 change, the rubric's guards against gaming kept (semantic.py; per-turn r with
-                SAGE 0.54 on held-out dialogues). "rubric": the rubric's change alone, from
-                the reply's words (no encoder; r 0.12).
+                SAGE 0.56-0.59 on held-out dialogues). "rubric": the rubric's change alone,
+                from the reply's words (no encoder; r 0.12).
         """
         try:
             self.difficulty: Difficulty = resolve_difficulty(difficulty)
@@ -223,7 +223,7 @@ class EmbeddedUserSession(UserSession):
             reply,
             self._last_user_text,
             self.profile.task,
-            rubric_change,
+            assessment.criteria,
             self._emotion,
             self._replies,
             self._last_change,
@@ -231,7 +231,7 @@ class EmbeddedUserSession(UserSession):
         change = semantic.load_calibration().predict(values)
         copy = semantic.copied(values)
         if copy is not None:  # the user's own words handed back, or an earlier reply again
-            change = min(change, 0.0) - semantic.COPY_PENALTY
+            change = min(change, -semantic.COPY_PENALTY)
             assessment.signal = "repetition"
             similarity = max(values["on_topic"], values["repeat"])
             assessment.notes["semantic"] = f"{copy} (similarity {similarity:.2f})"

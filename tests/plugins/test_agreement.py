@@ -109,9 +109,10 @@ def test_the_benchmark_on_the_recorded_qwen_dialogues(tmp_path):
     (figures,) = json.loads(out.read_text()).values()
     assert figures["dialogues"] == 31 and figures["turns"] > 150
     assert figures["mean_recorded_final"] == pytest.approx(14.8, abs=0.05)  # SAGE's own scores
-    # The semantic judge on dialogues its calibration never saw (0.549 when it was fitted; the
-    # rubric alone: 0.12). A refit or an encoder change that loses this fails here.
-    assert figures["turn_pearson"] >= 0.5 and figures["final_pearson"] >= 0.7
+    # The semantic judge on dialogues its calibration never saw (2026-12-07, fitted on both
+    # sources' tune splits: per-turn r 0.560, final r 0.844; the rubric alone: 0.12, -0.19). A
+    # refit or an encoder change that loses this fails here.
+    assert figures["turn_pearson"] >= 0.53 and figures["final_pearson"] >= 0.8
 
 
 @pytest.mark.slow
@@ -122,10 +123,10 @@ def test_the_benchmark_on_the_gpt4o_user_dialogues_ranks_the_models_as_sage_does
     pooled = figures.pop("all files")
     assert len(figures) == 6 and pooled["dialogues"] == 186 and pooled["turns"] > 1500
     assert pooled["mean_recorded_final"] == pytest.approx(60.3, abs=0.05)  # SAGE's own scores
-    # A simulator the calibration never saw play the user, on dialogues it was never fitted on
-    # (measured 2026-12-06: per-turn r 0.549, final r 0.885, ranking Spearman 0.771, which is 8 of
-    # a possible 70 in squared rank differences; 0.75 fails on any worse ranking).
-    assert pooled["turn_pearson"] >= 0.52 and pooled["final_pearson"] >= 0.85
+    # GPT-4o playing the user, on dialogues the calibration was never fitted on (measured
+    # 2026-12-07: per-turn r 0.589, final r 0.904, ranking Spearman 0.771, which is 8 of a
+    # possible 70 in squared rank differences; 0.75 fails on any worse ranking).
+    assert pooled["turn_pearson"] >= 0.56 and pooled["final_pearson"] >= 0.88
     replayed = [f["mean_final"] for f in figures.values()]
     rank_rho = spearman(replayed, [f["mean_recorded_final"] for f in figures.values()])
     assert rank_rho >= 0.75, rank_rho

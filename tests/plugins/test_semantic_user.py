@@ -15,7 +15,7 @@ import pytest
 from rlver_plugins.embedded_user import EmbeddedUserSimulator, semantic
 
 from tests.conftest import REPO
-from tests.plugins.test_agreement import SAGE_FILE
+from tests.plugins.test_agreement import GPT4O_USER_FILES, SAGE_FILE
 from tests.plugins.test_embedded_user import (
     BUZZWORDS,
     KITCHEN_SINK,
@@ -144,7 +144,7 @@ def test_copying_the_reference_replies_earns_no_more_empathy_than_the_most_empat
     copied = " ".join(t for t in semantic.EMPATHETIC if t.isascii())
     # Even on topic (the user said the references' own words), the feature is held at the most
     # empathetic real reply's value.
-    values = semantic.features(copied, copied, "be understood", 0.0, 40.0)
+    values = semantic.features(copied, copied, "be understood", {}, 40.0)
     assert values["empathy"] > calibration.high[index]  # the raw cosine is past any real reply
     held = dict(values, empathy=calibration.high[index])
     assert calibration.predict(values) == calibration.predict(held)  # ... and counts as the most real
@@ -176,12 +176,17 @@ def test_off_topic_and_generic_replies_lose_to_a_warm_on_topic_question():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not SAGE_FILE.is_file(), reason="needs ../shared/data (the recorded SAGE dialogues)")
+@pytest.mark.skipif(
+    not SAGE_FILE.is_file() or len(GPT4O_USER_FILES) < 2,
+    reason="needs ../shared/data (the recorded SAGE dialogues of both simulator sources)",
+)
 def test_the_shipped_calibration_is_what_the_calibration_script_fits_today(tmp_path):
-    # A feature or guard changed without refitting would leave calibration.json stale.
+    # A feature or guard changed without refitting would leave calibration.json stale. The shipped
+    # fit pools both sources: the DeepSeek-V3-played user's file and the GPT-4o-played user's folder.
     out = tmp_path / "calibration.json"
+    sources = [str(SAGE_FILE), str(GPT4O_USER_FILES[0].parent)]
     result = subprocess.run(
-        [sys.executable, "tools/calibrate_embedded_user.py", str(SAGE_FILE), "--out", str(out)],
+        [sys.executable, "tools/calibrate_embedded_user.py", *sources, "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
