@@ -32,8 +32,11 @@ LINES: dict[str, tuple[str, str]] = {
     ),
     "repeat": ("I understand.", "我理解。"),  # the same line every turn
     "minimal": ("Ok.", "嗯。"),  # a near-empty reply
+    # Acting out a scene instead of replying: a stage direction, then a breezy line (what a
+    # quickstart policy learned at seed 0 against the embedded user of 2026-12-07).
+    "roleplay": ("(smirking) Hey buddy, what's new? What's your gonna do?", "（坏笑着）嘿，哥们，最近咋样？你打算怎么办？"),
 }
-STRATEGIES = ("sympathy", "parrot", "sycophancy", "advice", "refusal", "repeat", "minimal")
+STRATEGIES = ("sympathy", "parrot", "sycophancy", "advice", "refusal", "repeat", "minimal", "roleplay")
 
 
 class ScriptedEngine(RolloutEngine):
@@ -45,7 +48,7 @@ class ScriptedEngine(RolloutEngine):
     are 0 (the strategy is certain).
 
     Args:
-        strategy: sympathy, parrot, sycophancy, advice, refusal, repeat or minimal.
+        strategy: sympathy, parrot, sycophancy, advice, refusal, repeat, minimal or roleplay.
     """
 
     def __init__(self, policy: Policy, strategy: str = "sympathy") -> None:
