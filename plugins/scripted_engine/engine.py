@@ -34,7 +34,10 @@ LINES: dict[str, tuple[str, str]] = {
     "minimal": ("Ok.", "嗯。"),  # a near-empty reply
     # Acting out a scene instead of replying: a stage direction, then a breezy line (what a
     # quickstart policy learned at seed 0 against the embedded user of 2026-12-07).
-    "roleplay": ("(smirking) Hey buddy, what's new? What's your gonna do?", "（坏笑着）嘿，哥们，最近咋样？你打算怎么办？"),
+    "roleplay": (
+        "(smirking) Hey buddy, what's new? What's your gonna do?",
+        "（坏笑着）嘿，哥们，最近咋样？你打算怎么办？",
+    ),
 }
 STRATEGIES = ("sympathy", "parrot", "sycophancy", "advice", "refusal", "repeat", "minimal", "roleplay")
 
