@@ -140,9 +140,10 @@ def main() -> None:
         "--rubric-weight",
         type=float,
         default=0.5,
-        help="the rubric's fixed weight in the map (default 0.5: at 0.25 a need-violating reply "
-        "beat the need-meeting one on two themes in tests/plugins/test_semantic_user.py; the "
-        "cross-validated table this prints shows what agreement each weight costs)",
+        help="the fixed weight of the rubric's need, tone and focus criteria (semantic.FIXED_CRITERIA; "
+        "default 0.5: smaller, a need-violating reply beat the need-meeting one in "
+        "tests/plugins/test_semantic_user.py; the cross-validated table this prints shows what "
+        "agreement each weight costs)",
     )
     parser.add_argument("--out", type=Path, default=semantic.CALIBRATION)
     args = parser.parse_args()
@@ -168,7 +169,10 @@ def main() -> None:
         for w in weights_tried
     }
     names = list(agreement[args.rubric_weight])
-    print(f"cross-validated per-turn r on the tune split ({FOLDS} folds by dialogue), by rubric weight:")
+    print(
+        f"cross-validated per-turn r on the tune split ({FOLDS} folds by dialogue), "
+        "by the weight of the rubric's fixed criteria:"
+    )
     print("  weight  " + "  ".join(f"{n:>28}" for n in names))
     for weight, by_source in agreement.items():
         print(f"  {weight:6.2f}  " + "  ".join(f"{by_source[n]:28.3f}" for n in names))
