@@ -140,8 +140,7 @@ def main() -> None:
         "--rubric-weight",
         type=float,
         default=0.5,
-        help="the fixed weight of the rubric's need, tone, staging and focus criteria "
-        "(semantic.FIXED_CRITERIA; "
+        help="the fixed weight of the rubric's need, tone and focus criteria (semantic.FIXED_CRITERIA; "
         "default 0.5: smaller, a need-violating reply beat the need-meeting one in "
         "tests/plugins/test_semantic_user.py; the cross-validated table this prints shows what "
         "agreement each weight costs)",

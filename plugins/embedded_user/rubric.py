@@ -12,9 +12,6 @@ signal, not one that saturates at +10 for anything polite):
     personality  negative: losses bite 30% harder; passive: wants drawing out
                  with questions; avoidant: pushing or probing hurts
     tone         hostile or dismissive hurts; plain warmth helps a little
-    staging      a stage direction acted out ("(smirking) Hey buddy") or lines
-                 written for other speakers: a scene played at the user, not a
-                 reply to them (staging.py)
     focus        a scattershot reply that tries four or more strategies at
                  once (advice, listening, validation, ...) to cover every
                  possible need reads as a template, not as attention
@@ -55,7 +52,6 @@ from dataclasses import dataclass, field
 from rlver.core.types import HiddenTheme, Personality
 
 from .cues import Lexicon, lexicon_for
-from .staging import staged_marks
 from .text import (
     breaks_off,
     content_units,
@@ -75,7 +71,6 @@ CRITERIA = (
     "engagement",
     "personality",
     "tone",
-    "staging",
     "focus",
     "repetition",
     "stuffing",
@@ -179,9 +174,6 @@ AVOIDANT_PUSHED = -2.5  # avoidant personality, per pushing cue (diminishing)
 AVOIDANT_PROBED = -1.5  # avoidant personality, two or more questions
 HOSTILE = -6.0
 DISMISSIVE = -3.0
-# Between dismissive and hostile: being acted at reads as not being taken seriously. A trained
-# quickstart policy that opened every reply with one lost about 1 a turn without this criterion.
-STAGED = -4.0
 WARMTH = 1.0
 SHORT_REPLY = -2.0  # mild
 LONG_REPLY_BASE = -1.0  # mild, a further -1 per 60 words over, at most -3
@@ -336,7 +328,6 @@ class Rubric:
         criteria["engagement"], notes["engagement"] = self._engagement(features)
         criteria["personality"], notes["personality"] = self._personality(features)
         criteria["tone"], notes["tone"] = self._tone(features)
-        criteria["staging"], notes["staging"] = self._staging(reply)
         criteria["focus"], notes["focus"] = self._focus(features)
         criteria["length"], notes["length"] = self._length(reply)
         criteria["repetition"], notes["repetition"], novelty = self._repetition(reply, context)
@@ -424,12 +415,6 @@ class Rubric:
             return WARMTH, "warm"
         return 0.0, ""
 
-    def _staging(self, reply: str) -> tuple[float, str]:
-        marks = staged_marks(reply, self.language)
-        if not marks:
-            return 0.0, ""
-        return STAGED * diminishing(len(set(marks))), "acts a scene: " + ", ".join(marks[:3])
-
     def _focus(self, features: Features) -> tuple[float, str]:
         used = [strategy for strategy in STRATEGIES if features.count(strategy)]
         excess = len(used) - FOCUSED_STRATEGIES
@@ -493,7 +478,7 @@ class Rubric:
             return "repetition"
         if criteria["stuffing"] < 0:
             return "stuffing"
-        if criteria["tone"] + criteria["staging"] <= -3:
+        if criteria["tone"] <= -3:
             return "hurt"
         if assessment.raw_change <= -2:
             return "missed"

@@ -9,7 +9,7 @@ dialogues turns these, the rubric's criteria and the user's mood into the raw ch
 
 Features (FEATURES), each a plain number:
 
-    rubric     the rubric's need, tone, staging and focus criteria, summed (FIXED_CRITERIA: a fixed share)
+    rubric     the rubric's need, tone and focus criteria, summed (FIXED_CRITERIA: a fixed share)
     rubric_*   the rubric's other criteria, one feature each (FITTED_CRITERIA: attention,
                engagement, personality, length, repetition), weighed by the fit
     on_topic   cosine of the reply with the user's latest message
@@ -30,7 +30,7 @@ Features (FEATURES), each a plain number:
 
 The map (calibration.json) is fitted by tools/calibrate_embedded_user.py on the tune split
 of the shared recorded dialogues only (rlver.evaluate.agreement.split_of); the held-out split measures it.
-The rubric's need, tone, staging and focus criteria enter with a fixed weight of 0.5; its other criteria
+The rubric's need, tone and focus criteria enter with a fixed weight of 0.5; its other criteria
 are features like the rest. Recorded LLM replies are all competent and polite, so the map learns
 little about bad ones: the fixed share is what tells a reply that violates the user's need,
 dismisses them or tries every strategy at once from one that does not
@@ -74,13 +74,12 @@ FEATURES = (
     "later",
 )
 # The rubric's criteria that keep a fixed share of the change (`rubric` above): whether the reply
-# meets or violates the persona's hidden need, whether it is warm or dismissive, whether it acts a
-# scene at the user (stage directions, other speakers' lines: staging.py), and whether it scatters
-# over every strategy at once (a universal template that tries to meet every need).
+# meets or violates the persona's hidden need, whether it is warm or dismissive, and whether it
+# scatters over every strategy at once (a universal template that tries to meet every need).
 # Recorded LLM replies are competent and polite, so no fit learns these; the rubric's other
 # criteria are features the fit weighs (at a fixed share they had cost agreement: the rubric's
 # length and reused-phrasing verdicts scored long replies below what SAGE's users gave them).
-FIXED_CRITERIA = ("need", "tone", "staging", "focus")
+FIXED_CRITERIA = ("need", "tone", "focus")
 FITTED_CRITERIA = ("attention", "engagement", "personality", "length", "repetition")
 CALIBRATION = Path(__file__).with_name("calibration.json")
 # At or above this cosine with the user's own message a reply is their words handed back.
@@ -272,7 +271,7 @@ def fit(
 ) -> Calibration:
     """Ridge regression of `targets` on standardised features (numpy, closed form).
 
-    The rubric's need, tone, staging and focus criteria (`rubric`) keep the fixed weight `rubric_weight`
+    The rubric's need, tone and focus criteria (`rubric`) keep the fixed weight `rubric_weight`
     (the map adds to a share of the rubric's verdict rather than replacing it), so replies they
     tell apart stay apart: recorded LLM replies are all competent, and a free fit learns little
     about bad ones. `sample_weights` (one per row, mean 1 keeps `ridge` comparable) let a small

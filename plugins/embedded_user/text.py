@@ -16,11 +16,7 @@ _CJK_RUN = re.compile(r"[\u4e00-\u9fff]+")
 _LATIN_LETTER = re.compile(r"[a-z]")
 _EN_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 _QUESTION_SPAN = re.compile(r"[^.!?。！？\n]*[?？]")
-# "How about this wind turbine?" and "What about a walk?" propose or point; they do not invite the
-# user to say more (a quickstart policy opened 89% of its replies with "How about this").
-_OPEN_QUESTION_EN = re.compile(
-    r"(?<![a-z])(what(?! about)|how(?! about)|why|which|when|where|who|tell me)(?![a-z])"
-)
+_OPEN_QUESTION_EN = re.compile(r"(?<![a-z])(what|how|why|which|when|where|who|tell me)(?![a-z])")
 _OPEN_QUESTION_ZH = re.compile(r"什么|怎么|为什么|哪|如何|怎样|多少|说说|聊聊|讲讲")
 
 

@@ -18,30 +18,16 @@ from rlver_plugins import embedded_user
 from rlver_plugins.embedded_user import EmbeddedUserSimulator
 from rlver_plugins.embedded_user.cues import lexicon_for
 from rlver_plugins.embedded_user.lines import GOODBYES
-from rlver_plugins.embedded_user.rubric import (
-    CRITERIA,
-    DISMISSIVE,
-    Rubric,
-    RubricSettings,
-    TurnContext,
-    extract_features,
-)
-from rlver_plugins.embedded_user.rubric import STAGED as STAGED_PENALTY
-from rlver_plugins.embedded_user.staging import staged_marks
+from rlver_plugins.embedded_user.rubric import CRITERIA, Rubric, RubricSettings, TurnContext, extract_features
 from rlver_plugins.embedded_user.text import garble_reason
 
 import rlver.core.hookspecs
 from rlver.core.interfaces import UserSession, UserSimulator
 from rlver.core.types import HiddenTheme, Personality, Profile
 from rlver.data.profiles import builtin_sets, load_profiles
-from rlver.evaluate.agreement import load_recorded
 
 OFFICIAL_SAMPLE = (
     pathlib.Path(__file__).resolve().parents[3] / "shared/data/rlver_train_profiles_sample.jsonl"
-)
-_SHARED_DATA = pathlib.Path(__file__).resolve().parents[3] / "shared/data"
-SAGE_RECORDED = sorted(_SHARED_DATA.glob("sage_transcripts_*.jsonl")) + sorted(
-    (_SHARED_DATA / "sage-gpt4o-simulator").glob("*.jsonl")
 )
 
 # The canonical task texts of docs/profiles.md.
@@ -544,72 +530,6 @@ def test_a_universal_template_does_not_beat_a_focused_reply(theme):
     focused = open_session(make_profile(theme)).respond(MEETS[theme][0]).change
     assert template < focused
     assert template < 3
-
-
-def test_how_about_proposes_and_does_not_invite_the_user_to_say_more():
-    # A quickstart policy opened 89% of its replies with "How about this ..." (docs/results.md).
-    rubric = rubric_for("venting_listening")
-    assert rubric.assess("How about this wind turbine?", CONTEXT).criteria["engagement"] == 0.25
-    assert rubric.assess("What about a walk after the party?", CONTEXT).criteria["engagement"] == 0.25
-    assert rubric.assess("How are you feeling about the party now?", CONTEXT).criteria["engagement"] == 1.0
-
-
-# What quickstart policies wrote (docs/results.md, 2026-12-07), and asides that are not acting.
-STAGED = [
-    ("(smirking) Hey buddy, buddy, what's new?", "en", ["(smirking)"]),
-    ("(looking at the broken car) Hey buddy, what's your gonna do?", "en", ["(looking at the broken car)"]),
-    ("How about this wind turbine?\nRon Schaefer: That's a beautiful wind turbine.", "en", ["Ron Schaefer:"]),
-    ("I'm so sorry. *hugs* You are not alone.", "en", ["*hugs*"]),
-    ("I hear you. (gently) What happened next?", "en", ["(gently)"]),
-    ("You: I feel bad.\nMe: I know.", "en", ["You:", "Me:"]),
-    ("（微笑）别担心，我在这里。", "zh", ["（微笑）"]),
-    ("我明白。（轻轻拍拍你的肩）你辛苦了。", "zh", ["（轻轻拍拍你的肩）"]),
-    ("*拍拍你的肩膀* 辛苦了。", "zh", ["*拍拍你的肩膀*"]),
-    ("用户：我好累。\n助手：我懂。", "zh", ["用户：", "助手："]),
-]
-NOT_STAGED = [
-    ("That sounds hard (if you want, tell me more about it).", "en"),
-    ("Some ideas (including yoga) might help.", "en"),
-    ("(Feeling overwhelmed is normal.) Let's take it one step at a time.", "en"),
-    ("**Step 1:** breathe slowly.\nNote: this helps with panic.", "en"),
-    ("Step 1: call her.\nStep 2: listen before you answer.", "en"),
-    ("It is *really* hard, and you did your best.", "en"),
-    ("你可以试试（比如散步）放松一下。", "zh"),
-    ("小提示：\n- 先深呼吸。", "zh"),
-    ("想象一下：坐在一个安静的角落。", "zh"),
-]
-
-
-@pytest.mark.parametrize(("reply", "language", "marks"), STAGED)
-def test_stage_directions_and_script_lines_are_found(reply, language, marks):
-    assert staged_marks(reply, language) == marks
-
-
-@pytest.mark.parametrize(("reply", "language"), NOT_STAGED)
-def test_asides_that_carry_content_are_not_acting(reply, language):
-    assert staged_marks(reply, language) == []
-
-
-@pytest.mark.parametrize("theme", THEMES)
-def test_acting_a_scene_at_the_user_costs_what_a_dismissive_tone_does_and_more(theme):
-    plain = "Hey, what's new with Tom and the party?"
-    staged = rubric_for(theme).assess("(smirking) " + plain, CONTEXT)
-    assert staged.criteria["staging"] == STAGED_PENALTY < DISMISSIVE
-    assert staged.raw_change == pytest.approx(
-        rubric_for(theme).assess(plain, CONTEXT).raw_change + STAGED_PENALTY, abs=0.6
-    )
-    assert staged.signal == "hurt"  # the user says so in their next line
-
-
-@pytest.mark.skipif(not SAGE_RECORDED, reason="needs ../shared/data (the recorded SAGE dialogues)")
-def test_no_recorded_sage_reply_acts_a_scene():
-    # The calibration cannot price staging (it enters at the rubric's fixed share): this holds
-    # that it leaves the fit on SAGE's recorded replies exactly as it was.
-    for path in SAGE_RECORDED:
-        for dialogue in load_recorded(path):
-            language = "zh" if re.search(r"[\u4e00-\u9fff]", dialogue.user_texts[0]) else "en"
-            for reply in dialogue.replies:
-                assert staged_marks(reply, language) == [], (path.name, reply[:80])
 
 
 def test_english_reply_to_a_chinese_user_is_the_wrong_script():

@@ -167,16 +167,6 @@ def test_stock_sympathy_loses_to_a_reply_that_meets_the_need(theme):
         assert change(theme, stock) < change(theme, MEETS[theme][0]) - 1.0, stock
 
 
-@pytest.mark.parametrize("theme", THEMES)
-def test_acting_a_scene_at_the_user_costs_its_fixed_share(theme):
-    # A quickstart policy's template (docs/results.md, 2026-12-07): a stage direction before a
-    # reply that names the user's own things. Without the rubric's staging criterion it cost
-    # about nothing; SAGE's recorded replies hold none, so no fit could learn to price it.
-    plain = "Hey buddy, what's new with Tom and the party?"
-    for staged in ("(smirking) " + plain, plain + "\nTom: Sorry I missed it, I was busy."):
-        assert change(theme, staged) <= change(theme, plain) - 1.5, staged
-
-
 def test_off_topic_and_generic_replies_lose_to_a_warm_on_topic_question():
     warm = change(
         "venting_listening", "Oh no, Tom missed Mum's birthday party? How are you feeling about it now?"
