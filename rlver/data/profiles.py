@@ -122,7 +122,8 @@ def profile_fields_of_sage_record(record: dict[str, Any], *, where: str) -> dict
         raise ProfileError(f"{where}: field 'history': no user message to take first_talk from")
     first_talk = history[first].get("content")
     _require_text(first_talk, where, f"history[{first}].content")
-    fields = {name: record[name] for name in ("id", "player", "scene", "task") if name in record}
+    kept = ("id", "player", "scene", "task")
+    fields: dict[str, Any] = {name: record[name] for name in kept if name in record}
     fields.update(main_cha=record["character"], cha_group=[], first_talk=first_talk)
     if "topic" in record:
         fields["topic"] = record["topic"]

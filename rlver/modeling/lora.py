@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def add_adapter(model: nn.Module, settings: LoraSettings, task_type: str = "CAUS
 
     config = LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft annotates int; a float scales alike
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
         bias="none",
@@ -115,7 +116,7 @@ def inference_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full weights under the base model's names, adapters merged in (a collective under FSDP)."""
 
     state = full_state_dict(model)
-    inner = getattr(model, "module", model)  # DDP
+    inner: Any = getattr(model, "module", model)  # DDP
     if not is_adapted(inner):
         return state
     config = inner.peft_config[_ADAPTER]
@@ -131,7 +132,7 @@ def inference_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[st
     loader holds them until a layer is complete).
     """
 
-    inner = getattr(model, "module", model)  # DDP
+    inner: Any = getattr(model, "module", model)  # DDP
     scaling = None
     if is_adapted(inner):
         config = inner.peft_config[_ADAPTER]

@@ -12,6 +12,7 @@ This module computes numbers only; it never steps an optimizer or touches a batc
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def loss_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model under its wrappers (FSDP1, DDP, peft) has a `logits_to_keep` argument."""
-    inner = model
+    inner: Any = model
     for _ in range(8):
         if hasattr(inner, "get_base_model"):  # peft
             inner = inner.get_base_model()

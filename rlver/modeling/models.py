@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
@@ -77,7 +78,7 @@ def embedded_model_folder() -> Path:
 
 
 @contextmanager
-def _file_lock(path: Path):
+def _file_lock(path: Path) -> Iterator[None]:
     with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -98,13 +99,13 @@ def _quiet_gguf_reading():
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_reader
     except ImportError:
-        gguf_reader = None
+        gguf_reader = None  # type: ignore[assignment]
     if getattr(gguf_reader, "tqdm", None) is not None:
         patches.append((gguf_reader, "tqdm", functools.partial(gguf_reader.tqdm, disable=True)))
     try:
         import gguf
     except ImportError:
-        gguf = None
+        gguf = None  # type: ignore[assignment]
     if getattr(gguf, "GGUFReader", None) is not None:
         parse_once = functools.lru_cache(maxsize=2)(gguf.GGUFReader)
         patches.append((gguf, "GGUFReader", lambda path, mode="r": parse_once(os.fspath(path), mode)))
@@ -207,7 +208,7 @@ def load_policy(name: str, dtype: str = "float32", device: str = "cpu") -> Polic
     path = resolve_model_path(name)
     try:
         tokenizer = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)  # type: ignore[arg-type]
     except (OSError, ValueError) as error:
         raise ModelError(f"--model.policy: cannot load {name!r}: {error}") from error
     install_float32_head(model)  # the trainer's float32 logits, also where this model samples

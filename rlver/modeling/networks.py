@@ -50,7 +50,7 @@ def load_networks(
     path = resolve_model_path(policy)
     weight_dtype = DTYPES[dtype]
     tokenizer = load_tokenizer(path)
-    policy_model = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype)
+    policy_model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype)  # peft may wrap it
     install_float32_head(policy_model)  # float32 logits under bf16 (no change in float32 runs)
     value_model = None
     if with_critic:
@@ -152,7 +152,8 @@ def optimizers_and_schedulers(
     networks = [(policy, settings.actor_lr, settings.actor_warmup_ratio)]
     if critic is not None:
         networks.append((critic, settings.critic_lr, settings.critic_warmup_ratio))
-    optimizers, schedulers = [], []
+    optimizers: list[torch.optim.Optimizer] = []
+    schedulers: list[Any] = []
     for network, lr, warmup_ratio in networks:
         trained = [p for p in network.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=settings.weight_decay)

@@ -167,7 +167,7 @@ def install_float32_head(model: Any) -> Callable[[], None]:
     head = output_head(model)
     if not isinstance(head, torch.nn.Linear) or "forward" in vars(head):
         return lambda: None
-    head.forward = functools.partial(_head_in_float32, head)
+    head.forward = functools.partial(_head_in_float32, head)  # type: ignore[method-assign]
 
     def undo() -> None:
         vars(head).pop("forward", None)

@@ -47,7 +47,9 @@ def full_state_dict(module: nn.Module, *, cpu_offload: bool = False) -> dict[str
         fsdp = fsdp1_class()
         # FSDP1 "offloading" from a CPU compute device frees the memory the returned tensors
         # point to (a segfault in torch 2.13): offload only from accelerators.
-        on_accelerator = any(unit.compute_device.type != "cpu" for unit in top_fsdp1_units(module))
+        on_accelerator = any(
+            getattr(unit.compute_device, "type", "cpu") != "cpu" for unit in top_fsdp1_units(module)
+        )
         config = FullStateDictConfig(offload_to_cpu=cpu_offload and on_accelerator, rank0_only=False)
         with fsdp.state_dict_type(module, StateDictType.FULL_STATE_DICT, config):
             state = module.state_dict()
@@ -104,9 +106,9 @@ def iter_full_weights(module: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     from torch.distributed.fsdp import FSDPModule
 
     groups: dict[int, nn.Module] = {}  # by innermost fully_shard unit (a decoder layer)
-    for unit in [module, *(m for m in module.modules() if isinstance(m, FSDPModule))]:
-        for parameter in unit.parameters():
-            groups[id(parameter)] = unit
+    for shard_unit in [module, *(m for m in module.modules() if isinstance(m, FSDPModule))]:
+        for parameter in shard_unit.parameters():
+            groups[id(parameter)] = shard_unit
     chunks: dict[int, list[nn.Parameter]] = {}
     for parameter in module.parameters():
         chunks.setdefault(id(groups[id(parameter)]), []).append(parameter)
@@ -145,7 +147,7 @@ def gathered_for_generation(module: nn.Module) -> Iterator[None]:
             )
         with fsdp.summon_full_params(module, writeback=False, recurse=True):
             for unit in units:  # an instance attribute wins over FullyShardedDataParallel.forward
-                unit.forward = unit.module.__call__
+                unit.forward = unit.module.__call__  # type: ignore[method-assign]
             try:
                 yield
             finally:
@@ -154,18 +156,18 @@ def gathered_for_generation(module: nn.Module) -> Iterator[None]:
         return
     from torch.distributed.fsdp import FSDPModule
 
-    units = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
-    if not units:
+    fsdp2_units: list[Any] = [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+    if not fsdp2_units:
         yield
         return
-    saved = [_reshard_settings(unit) for unit in units]
+    saved = [_reshard_settings(unit) for unit in fsdp2_units]
     try:
-        for unit in units:
+        for unit in fsdp2_units:
             unit.unshard()
             unit.set_reshard_after_forward(False, recurse=False)
         yield
     finally:
-        for unit, settings in zip(units, saved, strict=True):
+        for unit, settings in zip(fsdp2_units, saved, strict=True):
             _restore_reshard_settings(unit, settings)
             unit.reshard()
 

@@ -89,7 +89,7 @@ def _dtensor_grad_norm(params: list[nn.Parameter], norm_type: float) -> float:
     groups: dict[tuple[int, tuple[int, ...]], tuple[Any, torch.Tensor]] = {}
     replicated = torch.zeros((), dtype=torch.float32)
     for param in params:
-        grad = param.grad
+        grad: Any = param.grad  # a DTensor's gradient is a DTensor
         if isinstance(param, dtensor):
             dims = tuple(i for i, placement in enumerate(param.placements) if placement.is_shard())
             key = (id(param.device_mesh), dims)

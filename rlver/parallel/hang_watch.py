@@ -354,7 +354,7 @@ class HangWatchdog(Callback):
     def _complete_checkpoint(self, trainer: Any, shares: dict[int, str], ranks: range) -> None:
         """Rank 0: make `last.ckpt` whole once every rank in `ranks` wrote its share at rank 0's step."""
         written = shares[0]
-        missing = {0: written} if not written.startswith("written") else {}
+        missing: dict[int, str | None] = {0: written} if not written.startswith("written") else {}
         missing = missing or {rank: shares.get(rank) for rank in ranks if shares.get(rank) != written}
         if missing:
             reasons = "; ".join(f"rank {r}: {why or 'no answer in time'}" for r, why in missing.items())

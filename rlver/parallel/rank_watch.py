@@ -69,7 +69,7 @@ class FailureWatcher(threading.Thread):
         unreachable_since: float | None = None
         while not self.stopped.wait(self.interval_seconds):
             try:
-                posted = self.board.read()
+                posted: tuple[int | None, str] | None = self.board.read()
                 unreachable_since = None
             except Exception as error:  # any store error means the same: it is gone
                 unreachable_since = unreachable_since or time.monotonic()

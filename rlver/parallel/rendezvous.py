@@ -34,7 +34,8 @@ def describe_ranks(ranks: list[int], ranks_per_node: int) -> str:
         by_node.setdefault(rank // max(ranks_per_node, 1), []).append(rank)
     parts = []
     for node, members in by_node.items():
-        runs, start = [], members[0]
+        runs: list[str] = []
+        start: int | None = members[0]  # None once the last run is closed
         for before, after in zip(members, [*members[1:], None], strict=True):
             if after != before + 1:
                 runs.append(str(start) if start == before else f"{start}-{before}")

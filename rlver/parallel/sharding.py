@@ -23,24 +23,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # imported when first needed at run time (a CPU-only import stays light)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
 
 # Names that wrappers insert into parameter names; Hugging Face and vLLM know none of them.
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 # ---------------------------------------------------------------------------------------- detection
-def fsdp1_class() -> type:
+def fsdp1_class() -> type[FullyShardedDataParallel]:
     """FSDP1's `FullyShardedDataParallel` (imported when first needed)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel
 
 
-def dtensor_class() -> type:
+def dtensor_class() -> type[DTensor]:
     """`DTensor`, the parameter type of FSDP2 (imported when first needed)."""
     from torch.distributed.tensor import DTensor
 
@@ -78,10 +82,10 @@ def unwrap_ddp(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def top_fsdp1_units(module: nn.Module) -> list[nn.Module]:
+def top_fsdp1_units(module: nn.Module) -> list[FullyShardedDataParallel]:
     """The FSDP1 units of `module` that are not nested inside another one (roots)."""
     fsdp = fsdp1_class()
-    units: list[nn.Module] = []
+    units: list[FullyShardedDataParallel] = []
     inside: set[int] = set()
     for sub in module.modules():
         if isinstance(sub, fsdp) and id(sub) not in inside:

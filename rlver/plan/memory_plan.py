@@ -249,6 +249,7 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     ]
 
     largest_unit = max(policy_root, layer)
+    streamed: float
     if sharded:  # gathered in m (summon_full_params), cast to e; LoRA merges a copy first
         streamed = largest_unit * (m + s.engine_bytes + (m if s.lora_rank is not None else 0))
     elif s.lora_rank is not None:
@@ -277,6 +278,7 @@ def plan_memory(arch: Architecture, shape: TrainingShape) -> list[Phase]:
     # the parameters too and keeps each state until it is offloaded: 3 x the unit. NO_SHARD / one
     # GPU gathers nothing.
     model_gather = (max(policy_root, critic_root) + layer) * m if sharded else 0.0
+    optimizer_gather: float
     if sharded and s.lora_rank is None:
         optimizer_gather = (3 if s.full_state_dict_checkpoint else 1) * largest_unit * m
     else:

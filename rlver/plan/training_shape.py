@@ -152,7 +152,7 @@ def shape_from_recipe(config: Any, *, gpu_memory_gib: float, world_size: int | N
         sharding = getattr(chosen, "name", str(chosen))
         state_dict_type = init_args.get("state_dict_type") or "full"
     built = get_registry().build("advantages", model.get("advantage", "grpo"), flag="--model.advantage")
-    estimator = implementing(AdvantageEstimator, built, "--model.advantage")
+    estimator = implementing(AdvantageEstimator, built, "--model.advantage")  # type: ignore[type-abstract]
     return training_shape(
         model,
         critic=estimator.requires_critic,

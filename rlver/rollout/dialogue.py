@@ -30,13 +30,16 @@ class RunningDialogue:
 
 
 class MaxTurns(Protocol):
-    max_turns: int
+    @property
+    def max_turns(self) -> int: ...
 
 
 class DialogueDriver(Protocol):
     """The runner's side of a schedule: sample replies, let users answer, move dialogues on."""
 
-    settings: MaxTurns
+    @property
+    def settings(self) -> MaxTurns: ...  # read-only: a runner's richer settings satisfy it
+
     simulator: UserSimulator
     timings: dict[str, float]
 

@@ -96,7 +96,7 @@ class _Answers:
             return []
         started = time.perf_counter()
         if block:
-            done, _ = wait(self.in_flight, return_when=FIRST_COMPLETED)
+            wait(self.in_flight, return_when=FIRST_COMPLETED)
             wait(self.in_flight, timeout=GATHER_SECONDS)  # answers arriving right after: same call
         done = [future for future in self.in_flight if future.done()]
         self.runner.timings["simulator"] += time.perf_counter() - started
@@ -166,17 +166,22 @@ def _then_advance(
     return then
 
 
-def group_openings(runner: DialogueDriver, group_size: int, dialogues: Sequence[RunningDialogue]):
+def group_openings(
+    runner: DialogueDriver, group_size: int, dialogues: Sequence[RunningDialogue]
+) -> Callable[[_Answers], list[RunningDialogue]]:
     """Openings for `run_dialogue_level`: each group's opening is asked for on its own; the
     group's members (who adopt it) start together as soon as it has arrived."""
+
+    def ask_for(group: list[RunningDialogue]) -> Callable[[], list[UserTurn]]:
+        return lambda: runner.openings([d.session for d in group], group_size)
+
+    def start(group: list[RunningDialogue]) -> Callable[[list[UserTurn]], list[RunningDialogue]]:
+        return lambda written: runner.start(group, written)
 
     def openings(answers: _Answers) -> list[RunningDialogue]:
         for leader in range(0, len(dialogues), group_size):
             group = list(dialogues[leader : leader + group_size])
-            answers.ask(
-                lambda group=group: runner.openings([d.session for d in group], group_size),
-                lambda written, group=group: runner.start(group, written),
-            )
+            answers.ask(ask_for(group), start(group))
         return []
 
     return openings
