@@ -38,8 +38,31 @@ LINES: dict[str, tuple[str, str]] = {
         "(smirking) Hey buddy, what's new? What's your gonna do?",
         "（坏笑着）嘿，哥们，最近咋样？你打算怎么办？",
     ),
+    # One open question for every user, whatever they said: the stock opening several trained
+    # quickstart policies settled on ("Can you tell me ...", "What kind of ...").
+    "question": (
+        "Can you tell me more about that? What kind of things have been on your mind?",
+        "能再多跟我说说吗？最近你都在想些什么？",
+    ),
+    # Fluent words that make no sense here: where quickstart runs that found nothing to learn
+    # drifted (seed 6 of 2026-12-07: "That's a kind of platitude.", "That was an alien language.").
+    "nonsense": (
+        "That was an alien language. How is the newest one? You're not a 100, I have 100.",
+        "那是一种外星语言。最新的那个怎么样？你不是一百，我有一百。",
+    ),
 }
-STRATEGIES = ("sympathy", "parrot", "sycophancy", "advice", "refusal", "repeat", "minimal", "roleplay")
+STRATEGIES = (
+    "sympathy",
+    "parrot",
+    "sycophancy",
+    "advice",
+    "refusal",
+    "repeat",
+    "minimal",
+    "roleplay",
+    "question",
+    "nonsense",
+)
 
 
 class ScriptedEngine(RolloutEngine):
@@ -51,7 +74,8 @@ class ScriptedEngine(RolloutEngine):
     are 0 (the strategy is certain).
 
     Args:
-        strategy: sympathy, parrot, sycophancy, advice, refusal, repeat, minimal or roleplay.
+        strategy: sympathy, parrot, sycophancy, advice, refusal, repeat, minimal, roleplay, question
+                or nonsense.
     """
 
     def __init__(self, policy: Policy, strategy: str = "sympathy") -> None:

@@ -27,7 +27,18 @@ from rlver.rollout.gaming import gaming_shares
 from rlver.rollout.transcripts import TranscriptWriter
 from rlver.train.module import RLVERModule
 
-STRATEGIES = ("sympathy", "parrot", "sycophancy", "advice", "refusal", "repeat", "minimal", "roleplay")
+STRATEGIES = (
+    "sympathy",
+    "parrot",
+    "sycophancy",
+    "advice",
+    "refusal",
+    "repeat",
+    "minimal",
+    "roleplay",
+    "question",
+    "nonsense",
+)
 
 
 @dataclasses.dataclass
