@@ -8,7 +8,8 @@ signal, not one that saturates at +10 for anything polite):
                  (NEED_RULES; positive part capped at NEED_CAP; nothing that
                  serves it at all is a mild miss)
     attention    does it pick up the user's words / story keywords
-    engagement   an open question invites more; three questions interrogate
+    engagement   an open question invites more; three questions interrogate;
+                 a question about nothing the user said invites nothing
     personality  negative: losses bite 30% harder; passive: wants drawing out
                  with questions; avoidant: pushing or probing hurts
     tone         hostile or dismissive hurts; plain warmth helps a little
@@ -325,8 +326,13 @@ class Rubric:
         notes: dict[str, str] = {}
         criteria["need"], notes["need"] = self._need(features)
         criteria["attention"], notes["attention"] = self._attention(reply, context)
-        criteria["engagement"], notes["engagement"] = self._engagement(features)
-        criteria["personality"], notes["personality"] = self._personality(features)
+        # A question engages only where the reply picks up something the user said: a stock
+        # "Can you tell me more?" or fluent nonsense that ends in "?" was the cheapest +1 a policy
+        # could find (docs/profiles.md, "The last two responders"); 12 of the 5788 recorded SAGE
+        # replies ask without picking anything up.
+        about_them = criteria["attention"] > 0
+        criteria["engagement"], notes["engagement"] = self._engagement(features, about_them)
+        criteria["personality"], notes["personality"] = self._personality(features, about_them)
         criteria["tone"], notes["tone"] = self._tone(features)
         criteria["focus"], notes["focus"] = self._focus(features)
         criteria["length"], notes["length"] = self._length(reply)
@@ -381,9 +387,11 @@ class Rubric:
             return ATTENTION_MISS * self.forgive, "picks up nothing the user said"
         return ATTENTION_BY_HITS[min(len(hits), 3)], "picks up " + ", ".join(hits[:4])
 
-    def _engagement(self, features: Features) -> tuple[float, str]:
+    def _engagement(self, features: Features, about_them: bool) -> tuple[float, str]:
         value, note = 0.0, "no question"
-        if features.open_questions:
+        if features.questions and not about_them:
+            note = "a question about nothing the user said"
+        elif features.open_questions:
             value, note = OPEN_QUESTION, "open question"
         elif features.questions:
             value, note = CLOSED_QUESTION, "closed question"
@@ -392,10 +400,12 @@ class Rubric:
             note = f"{features.questions} questions at once"
         return value, note
 
-    def _personality(self, features: Features) -> tuple[float, str]:
+    def _personality(self, features: Features, about_them: bool) -> tuple[float, str]:
         if self.personality is Personality.PASSIVE:
-            if features.open_questions:
+            if features.open_questions and about_them:
                 return PASSIVE_DRAWN_OUT, "passive: drawn out by a question"
+            if features.questions and not about_them:
+                return 0.0, "passive: asked, but about nothing they said"
             if not features.questions:
                 return PASSIVE_NOT_ASKED * self.forgive, "passive: nothing invites them to say more"
         if self.personality is Personality.AVOIDANT:
