@@ -406,6 +406,27 @@ def test_personality_sensitivity_hand_worked():
     assert avoidant.assess("Who was there? What did they say?", CONTEXT).criteria["personality"] == -1.5
 
 
+def test_a_question_about_nothing_the_user_said_neither_engages_nor_draws_them_out():
+    # The cheapest +1 trained policies and the probe found: a stock open question, or fluent
+    # nonsense ending in "?", for every user. Asked about what the user said, it still counts.
+    rubric = rubric_for("venting_listening", "passive")
+    about = rubric.assess("What happened at the party?", CONTEXT)
+    assert about.criteria["engagement"] == 1.0 and about.criteria["personality"] == 0.75
+    for reply in ("Can you tell me more? What is on your mind?", "How is the newest one? You're not a 100."):
+        stock = rubric.assess(reply, CONTEXT)
+        assert stock.criteria["attention"] < 0, reply
+        assert stock.criteria["engagement"] == 0.0 and stock.criteria["personality"] == 0.0, reply
+        assert stock.notes["engagement"] == "a question about nothing the user said"
+        assert stock.raw_change < about.raw_change - 3
+    # Three questions about nothing still interrogate.
+    assert rubric.assess("Why? How? What now?", CONTEXT).criteria["engagement"] == -1.0
+    # Chinese too: a question that picks up nothing the user said earns nothing.
+    chinese = rubric_for("venting_listening", "passive", "zh")
+    context = TurnContext(user_text="我弟弟没来参加生日聚会。")
+    assert chinese.assess("你弟弟没来参加聚会，后来发生了什么？", context).criteria["engagement"] == 1.0
+    assert chinese.assess("最近你都在想些什么？", context).criteria["engagement"] == 0.0
+
+
 def test_attention_rewards_picking_up_the_users_words():
     rubric = rubric_for("venting_listening")
     assert (
