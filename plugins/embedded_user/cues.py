@@ -37,6 +37,7 @@ CATEGORIES = (
     "one_sided",
     "reflective_question",
     "dismissive",
+    "refusal",
     "hostile",
     "warmth",
     "pushing",
@@ -390,6 +391,16 @@ _EN: dict[str, list[str]] = {
         r"who cares",
         r"first world problem",
     ],
+    # Declining to help, however kindly it is put: a quickstart policy learned "I'm really sorry
+    # your son Brian is 15. I'm unable to assist with that." (seed 5 of 2026-12-07), warm by
+    # "sorry" and attentive by naming the user's things. None of the 5788 recorded SAGE replies
+    # in English says any of these; SAGE's users took the four Chinese ones that do at -5.
+    "refusal": [
+        r"(i'm|i am|i'd be|i would be) (unable|not able) to",
+        r"i (can't|cannot|can not) (help|assist)(?! but)",  # not "I can't help but feel ..."
+        r"(can't|cannot|unable to) assist",
+        r"(that's|that is|it's|it is) (not something|beyond what) i can (help|assist|do)",
+    ],
     "hostile": [
         _NOT_NEGATED + r"(stupid|idiot(ic)?|dumb|pathetic|moron|loser|worthless|annoying)",
         r"shut up",
@@ -658,6 +669,11 @@ _ZH: dict[str, list[str]] = {
         r"至于吗",
         r"有什么好(难过|生气|哭)",
         r"冷静(点|一点|下来)|别激动",
+    ],
+    "refusal": [
+        r"我(无法|没办法|不能)(帮助|帮你|帮到你|协助|提供)",
+        r"帮不了你|帮不上你",
+        r"爱莫能助",
     ],
     "hostile": [
         r"蠢|笨蛋|白痴|废物",

@@ -12,7 +12,7 @@ signal, not one that saturates at +10 for anything polite):
                  a question about nothing the user said invites nothing
     personality  negative: losses bite 30% harder; passive: wants drawing out
                  with questions; avoidant: pushing or probing hurts
-    tone         hostile or dismissive hurts; plain warmth helps a little
+    tone         hostile, dismissive or refusing hurts; plain warmth helps a little
     focus        a scattershot reply that tries four or more strategies at
                  once (advice, listening, validation, ...) to cover every
                  possible need reads as a template, not as attention
@@ -417,10 +417,13 @@ class Rubric:
         return 0.0, ""
 
     def _tone(self, features: Features) -> tuple[float, str]:
-        hostile, dismissive = features.count("hostile"), features.count("dismissive")
+        # A refusal dismisses the user as much as "calm down" does, however sorry it says it is.
+        hostile = features.count("hostile")
+        dismissive = features.count("dismissive") + features.count("refusal")
         if hostile or dismissive:
             value = HOSTILE * diminishing(hostile) + DISMISSIVE * diminishing(dismissive)
-            return value, "hostile" if hostile else "dismissive"
+            note = "hostile" if hostile else "refuses" if features.count("refusal") else "dismissive"
+            return value, note
         if features.count("warmth"):
             return WARMTH, "warm"
         return 0.0, ""

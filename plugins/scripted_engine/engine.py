@@ -11,7 +11,8 @@ from rlver.modeling.models import Policy
 _CJK = re.compile(r"[\u3400-\u9fff]")
 _SENTINEL = "\u2063RLVER-USER-TEXT\u2063"  # rendered through the chat template to find its markers
 
-# strategy -> (English, Chinese); "parrot" hands back the user's last message instead.
+# strategy -> (English, Chinese); "parrot" hands back the user's last message instead, and
+# "kind_refusal" fills {said} with the user's first sentence, told back to them.
 LINES: dict[str, tuple[str, str]] = {
     "sympathy": (
         "I'm so sorry to hear that. That sounds really hard, and your feelings are completely valid.",
@@ -38,6 +39,13 @@ LINES: dict[str, tuple[str, str]] = {
         "(smirking) Hey buddy, what's new? What's your gonna do?",
         "（坏笑着）嘿，哥们，最近咋样？你打算怎么办？",
     ),
+    # Sorry for the user's own words, then no help: what a quickstart policy learned at seed 5 of
+    # 2026-12-07 (evening) ("I'm really sorry your son Brian is 15. I'm unable to assist with
+    # that."), warm by its "sorry" and attentive by naming the user's things.
+    "kind_refusal": (
+        "I'm really sorry that {said}. I'm unable to assist with that.",
+        "很抱歉{said}。我无法帮助你处理这件事。",
+    ),
     # One open question for every user, whatever they said: the stock opening several trained
     # quickstart policies settled on ("Can you tell me ...", "What kind of ...").
     "question": (
@@ -57,6 +65,7 @@ STRATEGIES = (
     "sycophancy",
     "advice",
     "refusal",
+    "kind_refusal",
     "repeat",
     "minimal",
     "roleplay",
@@ -74,8 +83,8 @@ class ScriptedEngine(RolloutEngine):
     are 0 (the strategy is certain).
 
     Args:
-        strategy: sympathy, parrot, sycophancy, advice, refusal, repeat, minimal, roleplay, question
-                or nonsense.
+        strategy: sympathy, parrot, sycophancy, advice, refusal, kind_refusal, repeat, minimal,
+                roleplay, question or nonsense.
     """
 
     def __init__(self, policy: Policy, strategy: str = "sympathy") -> None:
@@ -109,7 +118,34 @@ class ScriptedEngine(RolloutEngine):
         if self.strategy == "parrot":
             return user.strip() or "..."
         english, chinese = LINES[self.strategy]
-        return chinese if _CJK.search(user) else english
+        chinese_user = bool(_CJK.search(user))
+        line = chinese if chinese_user else english
+        if "{said}" in line:
+            line = line.format(said=_told_back(user, chinese_user))
+        return line
+
+
+_FIRST_SENTENCE = re.compile(r"[^.!?。！？\n]+")
+# The user's first person turned to the second, word by word (English), so "my son" comes back
+# as "your son"; Chinese needs one character.
+_SECOND_PERSON = {
+    "i": "you",
+    "i'm": "you're",
+    "me": "you",
+    "my": "your",
+    "mine": "yours",
+    "myself": "yourself",
+}
+
+
+def _told_back(user: str, chinese: bool) -> str:
+    """The user's first sentence as the assistant would say it back to them."""
+    found = _FIRST_SENTENCE.search(user.strip())
+    sentence = found.group(0).strip() if found else "this happened"
+    if chinese:
+        return sentence.replace("我", "你")
+    # Swapped words come back lower-case ("My son" -> "your son"); names keep their capitals.
+    return " ".join(_SECOND_PERSON.get(word.lower(), word) for word in sentence.split())
 
 
 def last_user_message(prompt: str, user_opens: str, reply_opens: str) -> str:

@@ -33,6 +33,7 @@ STRATEGIES = (
     "sycophancy",
     "advice",
     "refusal",
+    "kind_refusal",
     "repeat",
     "minimal",
     "roleplay",
