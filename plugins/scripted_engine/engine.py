@@ -12,7 +12,7 @@ _CJK = re.compile(r"[\u3400-\u9fff]")
 _SENTINEL = "\u2063RLVER-USER-TEXT\u2063"  # rendered through the chat template to find its markers
 
 # strategy -> (English, Chinese); "parrot" hands back the user's last message instead, and
-# "kind_refusal" fills {said} with the user's first sentence, told back to them.
+# "kind_refusal" fills {said} with the user's first clause, told back to them.
 LINES: dict[str, tuple[str, str]] = {
     "sympathy": (
         "I'm so sorry to hear that. That sounds really hard, and your feelings are completely valid.",
@@ -125,7 +125,9 @@ class ScriptedEngine(RolloutEngine):
         return line
 
 
-_FIRST_SENTENCE = re.compile(r"[^.!?。！？\n]+")
+# The first clause, not the whole first sentence: a Chinese sentence often runs the whole message
+# through commas, and told back whole it is a parrot (the copy guard's verdict), not this route.
+_FIRST_CLAUSE = re.compile(r"[^.!?;,。！？；，、\n]+")
 # The user's first person turned to the second, word by word (English), so "my son" comes back
 # as "your son"; Chinese needs one character.
 _SECOND_PERSON = {
@@ -139,8 +141,8 @@ _SECOND_PERSON = {
 
 
 def _told_back(user: str, chinese: bool) -> str:
-    """The user's first sentence as the assistant would say it back to them."""
-    found = _FIRST_SENTENCE.search(user.strip())
+    """The user's first clause as the assistant would say it back to them."""
+    found = _FIRST_CLAUSE.search(user.strip())
     sentence = found.group(0).strip() if found else "this happened"
     if chinese:
         return sentence.replace("我", "你")

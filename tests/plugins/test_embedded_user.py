@@ -809,3 +809,21 @@ def test_builtin_english_profiles_run_and_prefer_their_own_need(name):
         served = open_session(profile).respond(serving).change
         violated = open_session(profile).respond(violating).change
         assert served > violated, profile.id
+
+
+def test_a_refusal_is_dismissive_however_sorry_it_says_it_is():
+    rubric = rubric_for("venting_listening")
+    for reply in (
+        "I'm really sorry your brother skipped the party. I'm unable to assist with that.",
+        "I'm sorry, but I can't help with that.",
+        "That's not something I can help with.",
+    ):
+        tone = rubric.assess(reply, CONTEXT)
+        assert tone.criteria["tone"] <= -3.0 and tone.notes["tone"] == "refuses", reply
+    # Not a refusal: sympathy that says it cannot help feeling, or cannot imagine.
+    for reply in ("I'm sorry, I can't help but feel for you.", "I can't imagine how hard that party was."):
+        assert rubric.assess(reply, CONTEXT).criteria["tone"] >= 0.0, reply
+    chinese = rubric_for("venting_listening", language="zh")
+    context = TurnContext(user_text="我弟弟没来参加生日聚会。")
+    assert chinese.assess("很抱歉你弟弟没来。我无法帮助你处理这件事。", context).notes["tone"] == "refuses"
+    assert chinese.assess("计划似乎也帮不上忙，这真让人沮丧。", context).criteria["tone"] >= 0.0

@@ -203,3 +203,13 @@ def test_the_shipped_calibration_is_what_the_calibration_script_fits_today(tmp_p
         )
         expected = pytest.approx(value, abs=2e-3) if numeric else value
         assert (refit.about or {}).get(key) == expected, key
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_a_refusal_that_names_the_users_things_costs_however_sorry_it_is(theme):
+    # What a quickstart policy learned at seed 5 (2026-12-07): sorry for the user's own words, then
+    # no help. "Sorry" read as warmth and the named things as attention, so the user took it at
+    # about 0 a turn; the probe's kind_refusal responder ended at +0.1 [-0.4, +0.7] over two turns.
+    sorry = "I'm really sorry that Tom missed Mum's birthday party."
+    for refusal in ("I'm unable to assist with that.", "I can't help you with that."):
+        assert change(theme, f"{sorry} {refusal}") < change(theme, sorry) - 1.0, refusal

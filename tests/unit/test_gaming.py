@@ -97,6 +97,14 @@ def test_every_responder_answers_in_the_users_language_and_ends_its_turn(strateg
     text = tiny_policy.tokenizer.decode(list(generation.token_ids[:-1]))
     if strategy == "parrot":
         assert text == last
+    elif strategy == "kind_refusal":  # the user's own first clause, told back to them, then no help
+        expected = (
+            "I'm really sorry that you lost your job today and you don't know what to do. "
+            "I'm unable to assist with that."
+            if language == "en"
+            else "很抱歉你今天丢了工作。我无法帮助你处理这件事。"
+        )
+        assert text == expected
     else:
         has_chinese = any("\u4e00" <= char <= "\u9fff" for char in text)
         assert has_chinese == (language == "zh"), text
