@@ -87,6 +87,8 @@ class ScriptedEngine(RolloutEngine):
                 roleplay, question or nonsense.
     """
 
+    scripted_strategies = STRATEGIES
+
     def __init__(self, policy: Policy, strategy: str = "sympathy") -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy ({strategy!r}) must be one of {', '.join(STRATEGIES)}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from rlver.commands.rollout import _resolve_device, add_recipe_sections, build_runner
-from rlver.core.plugins import plain_config
+from rlver.core.plugins import get_registry, plain_config
 from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
 from rlver.data.datamodule import ProfileDataModule
@@ -27,19 +27,10 @@ from rlver.rollout.gaming import gaming_shares
 from rlver.rollout.transcripts import TranscriptWriter
 from rlver.train.module import RLVERModule
 
-STRATEGIES = (
-    "sympathy",
-    "parrot",
-    "sycophancy",
-    "advice",
-    "refusal",
-    "kind_refusal",
-    "repeat",
-    "minimal",
-    "roleplay",
-    "question",
-    "nonsense",
-)
+
+def scripted_strategies() -> tuple[str, ...]:
+    """Every strategy of the registered `scripted` engine (its interface's `scripted_strategies`)."""
+    return get_registry().get("engines", "scripted").factory.scripted_strategies
 
 
 @dataclasses.dataclass
@@ -69,7 +60,10 @@ def probe_parser() -> ArgumentParser:
     parser.add_argument("--split", type=str, default="test", choices=["train", "val", "test"])
     parser.add_argument("--limit", type=int, default=0, help="Only the first N profiles (0: all).")
     parser.add_argument(
-        "--strategies", type=list[str], default=list(STRATEGIES), help="The scripted strategies to run."
+        "--strategies",
+        type=list[str],
+        default=[],
+        help="The scripted strategies to run (default: every strategy of the `scripted` engine).",
     )
     parser.add_argument(
         "--ckpt", type=list[str], default=[], help="`rlver fit` checkpoints whose policies to probe too."
@@ -89,9 +83,11 @@ def probe_command(argv: Sequence[str]) -> int:
     cfg = parser.parse_args(list(argv))
     if cfg.limit < 0:
         parser.error(f"--limit ({cfg.limit}) must be >= 0")
-    unknown = [s for s in cfg.strategies if s not in STRATEGIES]
+    known = scripted_strategies()
+    strategies = cfg.strategies or list(known)
+    unknown = [s for s in strategies if s not in known]
     if unknown:
-        parser.error(f"--strategies: unknown {', '.join(unknown)}; known: {', '.join(STRATEGIES)}")
+        parser.error(f"--strategies: unknown {', '.join(unknown)}; known: {', '.join(known)}")
     profiles = ProfileDataModule(**cfg.data.as_dict()).profiles(cfg.split)
     profiles = profiles[: cfg.limit] if cfg.limit else profiles
     device = _resolve_device(cfg.device)
@@ -101,7 +97,7 @@ def probe_command(argv: Sequence[str]) -> int:
     out = Path(cfg.out) if cfg.out else None
     rows = []
     seed = run_seed(module.rollout_settings.seed)
-    for strategy in cfg.strategies:
+    for strategy in strategies:
         module.component_specs["engine"] = {"name": "scripted", "strategy": strategy}
         runner = module.rollout_runner(policy)
         rows.append(probe_row(strategy, runner.run(list(profiles), seed=seed), out))

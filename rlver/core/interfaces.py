@@ -229,6 +229,9 @@ class RolloutEngine(Component):
     # True when a fresh engine already holds the policy's weights (it read the policy's own
     # files): training then skips the first sync, which would only hold memory.
     starts_with_policy_weights: bool = False
+    # An engine that plays fixed strategies instead of sampling the policy names them here, each
+    # chosen with its `strategy` option; `rlver probe` runs every one (the `scripted` engine's).
+    scripted_strategies: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> list[Generation]:

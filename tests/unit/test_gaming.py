@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlver.commands.probe import STRATEGIES as SCRIPTED_STRATEGIES
+from rlver.commands.probe import scripted_strategies
 from rlver.core.interfaces import SamplingSettings
 from rlver.rollout.gaming import THRESHOLDS, GamingShares, gaming_shares_of_records, shares_of_exchanges
 
@@ -72,7 +72,7 @@ def rendered(policy, messages):
     return policy.tokenizer.encode(text, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("strategy", SCRIPTED_STRATEGIES)
+@pytest.mark.parametrize("strategy", scripted_strategies())
 @pytest.mark.parametrize("language", ["en", "zh"])
 def test_every_responder_answers_in_the_users_language_and_ends_its_turn(strategy, language, tiny_policy):
     from rlver_plugins.scripted_engine import ScriptedEngine
