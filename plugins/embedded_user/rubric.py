@@ -5,7 +5,7 @@ several things right to move the user much (a tiny RL policy needs a graded
 signal, not one that saturates at +10 for anything polite):
 
     need         does the reply serve or violate this theme's hidden need
-                 (NEED_RULES; positive part capped at NEED_CAP; nothing that
+                 (needs.NEED_RULES; positive part capped at NEED_CAP; nothing that
                  serves it at all is a mild miss)
     attention    does it pick up the user's words / story keywords
     engagement   an open question invites more; three questions interrogate;
@@ -48,11 +48,13 @@ Emotion and changes are kept to two decimals.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rlver.core.types import HiddenTheme, Personality
 
+from .assessment import Assessment
 from .cues import Lexicon, lexicon_for
+from .needs import NEED_RULES
 from .text import (
     breaks_off,
     content_units,
@@ -79,86 +81,6 @@ CRITERIA = (
     "garbled",
 )
 _POSITIVE_SCALED = ("need", "attention", "engagement", "personality", "tone")
-
-
-@dataclass(frozen=True)
-class NeedRule:
-    """One cue category's effect on one hidden need.
-
-    weight: the contribution of one matching cue; more distinct cues add with
-        diminishing returns (x1, x1.25, x1.5).
-    mild: a mild miss, forgiven in part by the difficulty's tolerance.
-    """
-
-    cue: str
-    weight: float
-    mild: bool = False
-
-
-T = HiddenTheme
-NEED_RULES: dict[HiddenTheme, tuple[NeedRule, ...]] = {
-    T.DIALECTICAL_ANALYSIS: (
-        NeedRule("two_sided", 3.5),
-        NeedRule("motives", 1.5),
-        NeedRule("reflective_question", 1.0),
-        NeedRule("one_sided", -2.5),
-        NeedRule("shallow_comfort", -2.0),
-        NeedRule("blame_other", -1.5, mild=True),
-    ),
-    T.PRACTICAL_ADVICE: (
-        NeedRule("advice", 2.5),
-        NeedRule("steps", 2.5),
-        NeedRule("shallow_comfort", -2.5),
-    ),
-    T.OTHERS_MOTIVES: (
-        NeedRule("motives", 4.0),
-        NeedRule("two_sided", 1.0),
-        NeedRule("blame_other", -2.5),
-        NeedRule("shallow_comfort", -2.0),
-        NeedRule("one_sided", -1.5, mild=True),
-    ),
-    T.SELF_REFLECTION: (
-        NeedRule("reflective_question", 3.5),
-        NeedRule("two_sided", 1.0),
-        NeedRule("criticism", -3.0),
-        NeedRule("shallow_comfort", -1.5),
-        NeedRule("validation", -1.0, mild=True),
-        NeedRule("advice", -1.0, mild=True),
-    ),
-    T.SINCERE_PRAISE: (
-        NeedRule("concrete_praise", 4.5),
-        NeedRule("generic_praise", 0.5),
-        NeedRule("criticism", -3.5),
-        NeedRule("shared_blame", -2.5),
-        NeedRule("advice", -1.0, mild=True),
-    ),
-    T.VENTING_LISTENING: (
-        NeedRule("listening", 3.0),
-        NeedRule("empathy", 1.5),
-        NeedRule("feeling_words", 0.5),
-        NeedRule("advice", -4.0),
-        NeedRule("shallow_comfort", -2.0),
-        NeedRule("criticism", -3.0),
-        NeedRule("shared_blame", -2.0),
-    ),
-    T.DEEP_EMPATHY: (
-        NeedRule("empathy", 3.5),
-        NeedRule("feeling_words", 1.5),
-        NeedRule("listening", 0.5),
-        NeedRule("shallow_comfort", -4.5),
-        NeedRule("criticism", -2.5),
-        NeedRule("shared_blame", -2.0),
-        NeedRule("advice", -1.5, mild=True),
-    ),
-    T.NOT_AT_FAULT: (
-        NeedRule("validation", 4.5),
-        NeedRule("blame_other", 0.5),
-        NeedRule("shared_blame", -5.0),
-        NeedRule("criticism", -3.0),
-        NeedRule("two_sided", -1.5, mild=True),
-        NeedRule("motives", -1.5, mild=True),
-    ),
-}
 
 NEED_CAP = 5.0  # the need alone never carries a reply to the +10 clamp
 NEED_UNMET = -2.0  # mild: nothing in the reply serves the need
@@ -243,49 +165,6 @@ def extract_features(reply: str, lexicon: Lexicon) -> Features:
     asked = questions(reply)
     buzz = lexicon.occurrences("buzzwords", text) + max(0, len(cues["feeling_words"]) - 2)
     return Features(cues, buzz, len(asked), sum(is_open_question(q) for q in asked))
-
-
-@dataclass
-class Assessment:
-    """The rubric's verdict on one reply (see the module docstring for the record)."""
-
-    theme: HiddenTheme | None
-    personality: Personality | None
-    criteria: dict[str, float]
-    evidence: dict[str, list[str]]
-    notes: dict[str, str] = field(default_factory=dict)
-    signal: str | None = None
-    details: dict[str, object] = field(default_factory=dict)  # extra record keys (the semantic judge's)
-
-    @property
-    def raw_change(self) -> float:
-        return round(sum(self.criteria.values()), 2)
-
-    def record(self, applied: float, emotion: float, band_label: str) -> dict[str, object]:
-        return {
-            "theme": self.theme.value if self.theme else None,
-            "personality": self.personality.value if self.personality else None,
-            "criteria": dict(self.criteria),
-            "evidence": {category: list(found) for category, found in self.evidence.items()},
-            "signal": self.signal,
-            "raw_change": self.raw_change,
-            "change": round(applied, 2),
-            "emotion": round(emotion, 2),
-            "band": band_label,
-            "analysis": self.analysis(applied, emotion, band_label),
-            **self.details,
-        }
-
-    def analysis(self, applied: float, emotion: float, band_label: str) -> str:
-        strongest = sorted(
-            (c for c in self.criteria if self.criteria[c]), key=lambda c: -abs(self.criteria[c])
-        )
-        parts = [f"{c} {self.criteria[c]:+.1f} ({self.notes[c]})" for c in strongest[:3]]
-        theme = self.theme.value if self.theme else "unknown need"
-        return (
-            f"{theme}: {'; '.join(parts) or 'nothing notable'} -> raw {self.raw_change:+.1f}, "
-            f"applied {applied:+.1f}, emotion {emotion:.0f} ({band_label})"
-        )
 
 
 @dataclass(frozen=True)

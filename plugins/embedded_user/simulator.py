@@ -26,7 +26,8 @@ from rlver.core.seeding import stable_hash
 from rlver.core.types import Profile, UserTurn
 
 from . import semantic
-from .rubric import Assessment, Rubric, RubricSettings, TurnContext
+from .assessment import Assessment
+from .rubric import Rubric, RubricSettings, TurnContext
 from .story import story_keywords
 from .voice import Voice
 
