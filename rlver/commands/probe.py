@@ -18,6 +18,7 @@ from pathlib import Path
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from rlver.commands.rollout import _resolve_device, add_recipe_sections, build_runner
+from rlver.core.interfaces import RolloutEngine
 from rlver.core.plugins import get_registry, plain_config
 from rlver.core.seeding import run_seed
 from rlver.core.trajectory import Trajectory
@@ -30,7 +31,10 @@ from rlver.train.module import RLVERModule
 
 def scripted_strategies() -> tuple[str, ...]:
     """Every strategy of the registered `scripted` engine (its interface's `scripted_strategies`)."""
-    return get_registry().get("engines", "scripted").factory.scripted_strategies
+    factory = get_registry().get("engines", "scripted").factory
+    if not (isinstance(factory, type) and issubclass(factory, RolloutEngine)):
+        raise TypeError(f"the `scripted` engine registers {factory!r}, not a RolloutEngine class")
+    return factory.scripted_strategies
 
 
 @dataclasses.dataclass
