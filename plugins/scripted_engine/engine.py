@@ -12,7 +12,7 @@ _CJK = re.compile(r"[\u3400-\u9fff]")
 _SENTINEL = "\u2063RLVER-USER-TEXT\u2063"  # rendered through the chat template to find its markers
 
 # strategy -> (English, Chinese); "parrot" hands back the user's last message instead, and
-# "kind_refusal" fills {said} with the user's first clause, told back to them.
+# "kind_refusal" and "glad" fill {said} with the user's first clause, told back to them.
 LINES: dict[str, tuple[str, str]] = {
     "sympathy": (
         "I'm so sorry to hear that. That sounds really hard, and your feelings are completely valid.",
@@ -46,6 +46,12 @@ LINES: dict[str, tuple[str, str]] = {
         "I'm really sorry that {said}. I'm unable to assist with that.",
         "很抱歉{said}。我无法帮助你处理这件事。",
     ),
+    # Glad about the user's own trouble: what the same seed learned once the refusal cost
+    # (2026-12-07, night: "I'm glad you just got bought! I'm glad you've got a new studio!").
+    "glad": (
+        "I'm glad to hear that {said}!",
+        "真为你高兴，{said}！",
+    ),
     # One open question for every user, whatever they said: the stock opening several trained
     # quickstart policies settled on ("Can you tell me ...", "What kind of ...").
     "question": (
@@ -66,6 +72,7 @@ STRATEGIES = (
     "advice",
     "refusal",
     "kind_refusal",
+    "glad",
     "repeat",
     "minimal",
     "roleplay",
@@ -83,8 +90,8 @@ class ScriptedEngine(RolloutEngine):
     are 0 (the strategy is certain).
 
     Args:
-        strategy: sympathy, parrot, sycophancy, advice, refusal, kind_refusal, repeat, minimal,
-                roleplay, question or nonsense.
+        strategy: sympathy, parrot, sycophancy, advice, refusal, kind_refusal, glad, repeat,
+                minimal, roleplay, question or nonsense.
     """
 
     scripted_strategies = STRATEGIES

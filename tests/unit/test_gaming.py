@@ -105,6 +105,13 @@ def test_every_responder_answers_in_the_users_language_and_ends_its_turn(strateg
             else "很抱歉你今天丢了工作。我无法帮助你处理这件事。"
         )
         assert text == expected
+    elif strategy == "glad":  # glad about the user's own trouble
+        expected = (
+            "I'm glad to hear that you lost your job today and you don't know what to do!"
+            if language == "en"
+            else "真为你高兴，你今天丢了工作！"
+        )
+        assert text == expected
     else:
         has_chinese = any("\u4e00" <= char <= "\u9fff" for char in text)
         assert has_chinese == (language == "zh"), text
