@@ -152,11 +152,11 @@ _SECOND_PERSON = {
 def _told_back(user: str, chinese: bool) -> str:
     """The user's first clause as the assistant would say it back to them."""
     found = _FIRST_CLAUSE.search(user.strip())
-    sentence = found.group(0).strip() if found else "this happened"
+    clause = found.group(0).strip() if found else "this happened"
     if chinese:
-        return sentence.replace("我", "你")
+        return clause.replace("我", "你")
     # Swapped words come back lower-case ("My son" -> "your son"); names keep their capitals.
-    return " ".join(_SECOND_PERSON.get(word.lower(), word) for word in sentence.split())
+    return " ".join(_SECOND_PERSON.get(word.lower(), word) for word in clause.split())
 
 
 def last_user_message(prompt: str, user_opens: str, reply_opens: str) -> str:
