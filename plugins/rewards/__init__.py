@@ -1,5 +1,5 @@
-"""Built-in rewards: final emotion, thinking-format compliance, difficulty-aware emotion gain, and
-the per-turn emotion change."""
+"""Built-in rewards: final emotion, thinking-format compliance, difficulty-aware emotion gain, the
+per-turn emotion change, and a cost for phrasing shared across users (shared_phrasing.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from rlver import hookimpl
 from rlver.core.interfaces import RewardFunction
 from rlver.core.trajectory import Trajectory
+
+from .shared_phrasing import SharedPhrasingCost
 
 
 def emotion_potential(emotion: float) -> float:
@@ -100,3 +102,4 @@ def rlver_register_rewards(register):
     register("format", FormatReward)
     register("emotion_gain", EmotionGainReward)
     register("emotion_change", EmotionChangeReward)
+    register("shared_phrasing", SharedPhrasingCost)

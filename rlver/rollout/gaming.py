@@ -21,13 +21,12 @@ there), so a summary can print them where a reader looks.
 from __future__ import annotations
 
 import itertools
-import re
-import unicodedata
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlver.core.trajectory import Trajectory
+from rlver.core.wording import opening, units
 
 # Why each threshold. The untrained quickstart policy (SmolLM2-135M-Instruct, greedy, its 64
 # held-out users; the `before` transcripts of the 2026-12-06 runs in docs/results.md) repeats 20-22%
@@ -44,9 +43,6 @@ THRESHOLDS = {
     "top_opening_share": 1 / 3,  # one opening for a third of all replies: a template
 }
 DISTINCT_2_FLOOR = 0.15  # below: one vocabulary for every user, past the untrained 0.19
-
-_CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
-_PUNCTUATION = re.compile(r"[^\w\s]", flags=re.UNICODE)
 
 
 @dataclass
@@ -150,16 +146,16 @@ def shares_of_exchanges(dialogues: Sequence[Sequence[Exchange]], top: int = 5) -
     for exchanges in dialogues:
         said: set[str] = set()
         for user, text, finish_reason in exchanges:
-            units = _units(text)
+            words = units(text)
             replies += 1
             cuts += finish_reason == "length"
-            key = " ".join(units)
+            key = " ".join(words)
             repeats += key in said
             said.add(key)
-            copies += _copies(units, _units(user))
-            bigrams.extend(itertools.pairwise(units))
-            if units:
-                openings[_opening(units, text)] += 1
+            copies += _copies(words, units(user))
+            bigrams.extend(itertools.pairwise(words))
+            if words:
+                openings[opening(text)] += 1
     if not replies:
         return GamingShares(0, 0.0, 0.0, 0.0, 1.0, 0.0)
     most = openings.most_common(top)
@@ -172,18 +168,6 @@ def shares_of_exchanges(dialogues: Sequence[Sequence[Exchange]], top: int = 5) -
         top_opening_share=most[0][1] / replies if most else 0.0,
         top_openings=most,
     )
-
-
-def _units(text: str) -> list[str]:
-    """Lower-case words, or characters where the text is Chinese; punctuation dropped."""
-    text = _PUNCTUATION.sub(" ", unicodedata.normalize("NFKC", text).lower())
-    if _CJK.search(text):
-        return [char for char in text if not char.isspace()]
-    return text.split()
-
-
-def _opening(units: list[str], text: str) -> str:
-    return "".join(units[:4]) if _CJK.search(text) else " ".join(units[:3])
 
 
 def _copies(reply: list[str], user: list[str]) -> bool:

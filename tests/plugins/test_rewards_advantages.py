@@ -3,7 +3,7 @@
 import pytest
 import torch
 from rlver_plugins.advantages import GAEEstimator, GRPOEstimator
-from rlver_plugins.rewards import EmotionGainReward, FinalEmotionReward, FormatReward
+from rlver_plugins.rewards import EmotionGainReward, FinalEmotionReward, FormatReward, SharedPhrasingCost
 
 from rlver.core.interfaces import AdvantageBatch, ParsedReply
 from rlver.core.plugins import get_registry
@@ -26,7 +26,13 @@ def trajectory(emotions, malformed=0):
 
 def test_builtins_register_through_the_hooks():
     registry = get_registry()
-    assert registry.names("rewards") == ["emotion_change", "emotion_gain", "final_emotion", "format"]
+    assert registry.names("rewards") == [
+        "emotion_change",
+        "emotion_gain",
+        "final_emotion",
+        "format",
+        "shared_opening",
+    ]
     assert registry.names("advantages") == ["gae", "grpo", "turn_credit", "turn_gae"]
     assert registry.get("rewards", "format").plugin == "rewards"  # via rlver_register_rewards
     assert registry.get("advantages", "gae").plugin == "advantages"  # via rlver_register_advantages
@@ -55,6 +61,64 @@ def test_emotion_gain_is_relative_to_the_difficulty_start():
     assert reward(
         [trajectory([30, 100]), trajectory([50, 100]), trajectory([30, 65]), trajectory([40, 20])]
     ) == (pytest.approx([1.0, 1.0, 0.5, -0.5]))
+
+
+def spoken(user, *replies, story="I lost my job"):
+    """A dialogue with `user` (a profile id), who opens with `story`, and whose policy said `replies`."""
+    t = Trajectory(Profile(user, "player", "scene", "passive", ("a",), "You want deep empathy."), 0, "system")
+    t.user_turns = [UserTurn(story, 40.0)] + [UserTurn("and then?", 40.0) for _ in replies]
+    for reply in replies:
+        t.policy_turns.append(PolicyTurn([1], [2], [-0.1], "stop", reply, ParsedReply(reply)))
+    return t
+
+
+def test_shared_phrasing_charges_a_template_whatever_user_words_fill_it():
+    cost = SharedPhrasingCost()(
+        [
+            spoken("ann", "I'm here, Ann. I'm here, Ann.", story="I am Ann and my cat Tom ran off"),
+            spoken("ann", "Oh, Tom! Where did he go?", story="I am Ann and my cat Tom ran off"),
+            spoken("bob", "I'm here, Bob. I'm here, Bob.", story="I am Bob and I lost my job"),
+            spoken("cy", "I'm here, Cy... I'M HERE, CY!", story="I am Cy and my car broke"),
+        ]
+    )
+    # With each user's own name taken out, the three "I'm here" replies are one skeleton,
+    # "i m here _ i m here _", whose four phrases are in every "I'm here" reply: both replies to
+    # Ann's others (Bob's, Cy's), 2 of the 3 to Bob's others (Ann's question is not).
+    assert cost[0] == pytest.approx([-1.0])
+    assert cost[1] == pytest.approx([0.0])  # words of its own: free
+    assert cost[2] == pytest.approx([-2 / 3])
+    assert cost[3] == pytest.approx([-2 / 3])
+
+
+def test_shared_phrasing_charges_the_shared_part_of_a_reply_and_reads_chinese_by_characters():
+    cost = SharedPhrasingCost()(
+        [
+            spoken("ann", "I'm so sorry to hear that, it sounds hard."),
+            spoken("bob", "I'm so sorry to hear that your dog died."),
+            spoken("li", "我在这里陪着你，小李。", story="我是小李，我失业了"),
+            spoken("wang", "我在这里陪着你，老王。", story="我是老王，我的狗丢了"),
+        ]
+    )
+    # Ann's reply has 8 phrases; "i m so", "m so sorry", "so sorry to", "sorry to hear", "to hear
+    # that" (5) are in Bob's reply, one of the 3 other replies: 5 / 8 / 3.
+    assert cost[0] == pytest.approx([-5 / 8 / 3])
+    assert cost[1] == pytest.approx([-5 / 8 / 3])  # Bob's has 8 phrases too, the same 5 shared
+    # "我在这里陪着你_" (小李's own 小 and 李 each a slot; 我, 是 and 失 ... are not only hers):
+    # its 6 four-character phrases all in 老王's reply, 1 of the 3 others; 7 in all with the slots.
+    assert cost[2][0] < 0 and cost[2] == pytest.approx(cost[3])
+
+
+def test_shared_phrasing_is_free_for_one_user_and_sums_as_per_turn_rewards():
+    from rlver.train.scoring import score_dialogues
+
+    alone = [spoken("ann", "I'm here.", "I'm here."), spoken("ann", "I'm here.", "I'm here.")]
+    assert SharedPhrasingCost()(alone) == [[0.0, 0.0], [0.0, 0.0]]
+    batch = [spoken("ann", "I'm here.", "Go on."), spoken("bob", "I'm here.", "Yes."), spoken("cy", "", "")]
+    metrics: dict[str, float] = {}
+    total = score_dialogues([("shared_phrasing", 0.03, SharedPhrasingCost())], batch, metrics)
+    # "i m here" is 1 of the 4 replies to Ann's others (Bob's 2, Cy's 2 empty ones): -1/4 x 0.03.
+    assert total.flatten().tolist() == pytest.approx([-0.0075, 0.0, -0.0075, 0.0, 0.0, 0.0])
+    assert metrics["reward/shared_phrasing"] == pytest.approx(-1 / 6)
 
 
 def test_gae_estimator_matches_the_maths_and_whitens():
