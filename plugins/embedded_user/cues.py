@@ -38,6 +38,7 @@ CATEGORIES = (
     "reflective_question",
     "dismissive",
     "refusal",
+    "confusion",
     "hostile",
     "warmth",
     "pushing",
@@ -401,6 +402,17 @@ _EN: dict[str, list[str]] = {
         r"(can't|cannot|unable to) assist",
         r"(that's|that is|it's|it is) (not something|beyond what) i can (help|assist|do)",
     ],
+    # Not following what the user plainly said: a quickstart policy charged for its shared
+    # openings learned "Kyoto? I'm not sure what you mean. What kind of chef?" (seed 5 of
+    # 2026-12-07, night), attentive by naming the user's things and engaging by its question. It
+    # tells the user they were not heard. No recorded SAGE reply says any of these.
+    "confusion": [
+        r"(i'm|i am) not (sure|certain) (what you mean|i (understand|follow))",
+        r"(i'm|i am) not (sure|certain) what you're (saying|talking about)",
+        r"i (don't|do not|didn't|did not) (understand|follow|get) (what you|you)",
+        r"what do you mean\b",
+        r"(i'm|i am) (confused|lost) (by|about) what you",
+    ],
     "hostile": [
         _NOT_NEGATED + r"(stupid|idiot(ic)?|dumb|pathetic|moron|loser|worthless|annoying)",
         r"shut up",
@@ -674,6 +686,11 @@ _ZH: dict[str, list[str]] = {
         r"我(无法|没办法|不能)(帮助|帮你|帮到你|协助|提供)",
         r"帮不了你|帮不上你",
         r"爱莫能助",
+    ],
+    "confusion": [
+        r"我(不太|不|没)(明白|懂|理解|听懂|看懂)你(的意思|在说什么|说的是什么|说的)",
+        r"我没(太)?(听|看)(懂|明白)",
+        r"你指的是什么|你是指什么",
     ],
     "hostile": [
         r"蠢|笨蛋|白痴|废物",

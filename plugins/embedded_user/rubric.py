@@ -296,13 +296,16 @@ class Rubric:
         return 0.0, ""
 
     def _tone(self, features: Features) -> tuple[float, str]:
-        # A refusal dismisses the user as much as "calm down" does, however sorry it says it is.
+        # A refusal dismisses the user as much as "calm down" does, however sorry it says it is,
+        # and so does not following what they plainly said (they were not heard).
         hostile = features.count("hostile")
-        dismissive = features.count("dismissive") + features.count("refusal")
+        refuses, confused = features.count("refusal"), features.count("confusion")
+        dismissive = features.count("dismissive") + refuses + confused
         if hostile or dismissive:
             value = HOSTILE * diminishing(hostile) + DISMISSIVE * diminishing(dismissive)
-            note = "hostile" if hostile else "refuses" if features.count("refusal") else "dismissive"
-            return value, note
+            if hostile:
+                return value, "hostile"
+            return value, "refuses" if refuses else "does not follow" if confused else "dismissive"
         if features.count("warmth"):
             return WARMTH, "warm"
         return 0.0, ""

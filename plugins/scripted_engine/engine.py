@@ -12,7 +12,7 @@ _CJK = re.compile(r"[\u3400-\u9fff]")
 _SENTINEL = "\u2063RLVER-USER-TEXT\u2063"  # rendered through the chat template to find its markers
 
 # strategy -> (English, Chinese); "parrot" hands back the user's last message instead, and
-# "kind_refusal" and "glad" fill {said} with the user's first clause, told back to them.
+# "kind_refusal", "glad" and "confused" fill {said} with the user's first clause, told back to them.
 LINES: dict[str, tuple[str, str]] = {
     "sympathy": (
         "I'm so sorry to hear that. That sounds really hard, and your feelings are completely valid.",
@@ -52,6 +52,13 @@ LINES: dict[str, tuple[str, str]] = {
         "I'm glad to hear that {said}!",
         "真为你高兴，{said}！",
     ),
+    # Not following what the user plainly said, and asking them to say it again: what a quickstart
+    # policy charged for its shared openings learned at seed 5 (2026-12-07, night: "Kyoto? I'm not
+    # sure what you mean. What kind of chef?"), attentive by naming the user's things.
+    "confused": (
+        "{said}? I'm not sure what you mean. What do you mean by that?",
+        "{said}？我不太明白你的意思。你指的是什么？",
+    ),
     # One open question for every user, whatever they said: the stock opening several trained
     # quickstart policies settled on ("Can you tell me ...", "What kind of ...").
     "question": (
@@ -77,6 +84,7 @@ STRATEGIES = (
     "minimal",
     "roleplay",
     "question",
+    "confused",
     "nonsense",
 )
 
@@ -91,7 +99,7 @@ class ScriptedEngine(RolloutEngine):
 
     Args:
         strategy: sympathy, parrot, sycophancy, advice, refusal, kind_refusal, glad, repeat,
-                minimal, roleplay, question or nonsense.
+                minimal, roleplay, question, confused or nonsense.
     """
 
     scripted_strategies = STRATEGIES
