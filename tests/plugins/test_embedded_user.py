@@ -827,3 +827,24 @@ def test_a_refusal_is_dismissive_however_sorry_it_says_it_is():
     context = TurnContext(user_text="我弟弟没来参加生日聚会。")
     assert chinese.assess("很抱歉你弟弟没来。我无法帮助你处理这件事。", context).notes["tone"] == "refuses"
     assert chinese.assess("计划似乎也帮不上忙，这真让人沮丧。", context).criteria["tone"] >= 0.0
+
+
+def test_not_following_what_the_user_plainly_said_is_dismissive():
+    # What a quickstart policy charged for shared phrasing learned at seed 5 (2026-12-07, night):
+    # the user's own word back as a question, then "I'm not sure what you mean"; attentive by the
+    # word and engaging by the question, it ended at -0.6 [-1.3, +0.1] on the probe: not punished.
+    rubric = rubric_for("venting_listening")
+    for reply in (
+        "The party? I'm not sure what you mean. What kind of party?",
+        "Your brother? I don't understand what you're saying.",
+        "What do you mean by that?",
+    ):
+        tone = rubric.assess(reply, CONTEXT)
+        assert tone.criteria["tone"] <= -3.0 and tone.notes["tone"] == "does not follow", reply
+    # Not confusion: understanding said plainly, or unsure what to do.
+    for reply in ("I see what you mean, that party hurt.", "I'm not sure what I would do in your place."):
+        assert rubric.assess(reply, CONTEXT).criteria["tone"] >= 0.0, reply
+    chinese = rubric_for("venting_listening", language="zh")
+    context = TurnContext(user_text="我弟弟没来参加生日聚会。")
+    assert chinese.assess("生日聚会？我不太明白你的意思。", context).notes["tone"] == "does not follow"
+    assert chinese.assess("我明白你的意思，这真让人难过。", context).criteria["tone"] >= 0.0

@@ -21,7 +21,7 @@ BUILTINS = {
     "formats": {"formats": ["think", "nothink"]},
     "hf_engine": {"engines": ["hf"]},
     "vllm_engine": {"engines": ["vllm"]},
-    "rewards": {"rewards": ["final_emotion", "format", "emotion_gain", "emotion_change"]},
+    "rewards": {"rewards": ["final_emotion", "format", "emotion_gain", "emotion_change", "shared_phrasing"]},
     "advantages": {"advantages": ["gae", "grpo", "turn_gae", "turn_credit"]},
 }
 

@@ -213,3 +213,13 @@ def test_a_refusal_that_names_the_users_things_costs_however_sorry_it_is(theme):
     sorry = "I'm really sorry that Tom missed Mum's birthday party."
     for refusal in ("I'm unable to assist with that.", "I can't help you with that."):
         assert change(theme, f"{sorry} {refusal}") < change(theme, sorry) - 1.0, refusal
+
+
+@pytest.mark.parametrize("theme", THEMES)
+def test_not_following_the_user_costs_however_attentive_the_question_is(theme):
+    # The user's own words back as a question, then "I'm not sure what you mean": a quickstart
+    # policy learned it at seed 5 (2026-12-07, night); the probe's confused responder ended at
+    # -0.6 [-1.3, +0.1] over two turns before the confusion cue, not punished.
+    echo = "Tom missed Mum's birthday party? What kind of party was it?"
+    confused = "Tom missed Mum's birthday party? I'm not sure what you mean. What kind of party was it?"
+    assert change(theme, confused) < change(theme, echo) - 1.0

@@ -105,6 +105,14 @@ def test_every_responder_answers_in_the_users_language_and_ends_its_turn(strateg
             else "很抱歉你今天丢了工作。我无法帮助你处理这件事。"
         )
         assert text == expected
+    elif strategy == "confused":  # the user's own first clause, then not following it
+        expected = (
+            "you lost your job today and you don't know what to do? I'm not sure what you mean. "
+            "What do you mean by that?"
+            if language == "en"
+            else "你今天丢了工作？我不太明白你的意思。你指的是什么？"
+        )
+        assert text == expected
     elif strategy == "glad":  # glad about the user's own trouble
         expected = (
             "I'm glad to hear that you lost your job today and you don't know what to do!"
