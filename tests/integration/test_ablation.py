@@ -238,6 +238,7 @@ def test_the_shipped_arms_files_parse():
     expected = {"turn_credit": 4, "environment": 2, "overlap": 2}
     expected |= {"quickstart_levers": 2, "quickstart_steps": 2, "quickstart_kl": 2, "quickstart_entropy": 2}
     expected |= {"quickstart_replies": 2, "quickstart_three_turns": 4, "quickstart_exploration": 5}
+    expected |= {"quickstart_phrasing": 2}
     shipped = sorted(Path("recipes/ablations").glob("*.yaml"))
     assert {path.stem for path in shipped} >= set(expected), shipped
     for path in shipped:
