@@ -1,7 +1,7 @@
 """How rlver reads a reply's words: the units it counts and the opening it begins with.
 
 One definition for everyone who compares replies by their wording: the gaming shares a summary
-prints (rlver.rollout.gaming) and a reward that charges a template (the `shared_opening` reward
+prints (rlver.rollout.gaming) and a reward that charges a template (the `shared_phrasing` reward
 plugin) must agree on what "the same opening" is, or a policy could pass one and fail the other.
 """
 

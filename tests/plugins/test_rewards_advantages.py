@@ -31,7 +31,7 @@ def test_builtins_register_through_the_hooks():
         "emotion_gain",
         "final_emotion",
         "format",
-        "shared_opening",
+        "shared_phrasing",
     ]
     assert registry.names("advantages") == ["gae", "grpo", "turn_credit", "turn_gae"]
     assert registry.get("rewards", "format").plugin == "rewards"  # via rlver_register_rewards
