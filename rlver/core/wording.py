@@ -1,8 +1,9 @@
-"""How rlver reads a reply's words: the units it counts and the opening it begins with.
+"""How rlver reads a reply's words: the units it counts, the opening it begins with, its phrases.
 
 One definition for everyone who compares replies by their wording: the gaming shares a summary
 prints (rlver.rollout.gaming) and a reward that charges a template (the `shared_phrasing` reward
-plugin) must agree on what "the same opening" is, or a policy could pass one and fail the other.
+plugin) must agree on what "the same opening" and "the same phrase" are, or a policy could pass
+one and fail the other.
 """
 
 from __future__ import annotations
